@@ -1,0 +1,333 @@
+//! The input deck: TOML tables mirrored by serde types, then validated into derived values.
+//!
+//! Stage one (`Deck`) mirrors each TOML table with `deny_unknown_fields`-like checking (an
+//! unknown key is rejected with the closest valid one). Stage two (`Deck::resolve`) checks every
+//! constraint against the world size and derives the values other modules need (`Layout`,
+//! `grad_accum`, the scaled learning rate). Each component receives only its own table.
+//! Knows nothing of MPI, the model's numerics or files other than the deck itself.
+
+mod keys;
+mod validate;
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub use validate::{Layout, Resolved};
+
+/// A deck error: one line for people, naming the table, the key and the numbers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub message: String,
+    /// An optional `HINT:` line where a fix is known.
+    pub hint: Option<String>,
+}
+
+impl ConfigError {
+    pub fn new(message: impl Into<String>) -> Self {
+        ConfigError { message: message.into(), hint: None }
+    }
+    pub fn with_hint(mut self, hint: impl Into<String>) -> Self {
+        self.hint = Some(hint.into());
+        self
+    }
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.message)?;
+        if let Some(h) = &self.hint {
+            write!(f, "\nHINT: {h}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// `[run]`: what the run is called, where it writes, how long it runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunCfg {
+    pub name: String,
+    /// All outputs of the run; empty means `out/<name>`.
+    pub out_dir: String,
+    pub seed: u64,
+    /// Optimiser steps to take.
+    pub steps: u64,
+    /// Compute threads per rank; 0 means the node's cores divided by the ranks on the node.
+    pub threads: usize,
+}
+
+impl Default for RunCfg {
+    fn default() -> Self {
+        RunCfg { name: "run".into(), out_dir: String::new(), seed: 1234, steps: 100, threads: 0 }
+    }
+}
+
+impl RunCfg {
+    pub fn out_dir(&self) -> PathBuf {
+        if self.out_dir.is_empty() {
+            Path::new("out").join(&self.name)
+        } else {
+            PathBuf::from(&self.out_dir)
+        }
+    }
+}
+
+/// `[model]`: a Llama-style decoder, Hugging Face `LlamaConfig` semantics.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelCfg {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub ffn_hidden: usize,
+    pub max_seq_len: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    pub tie_embeddings: bool,
+}
+
+impl Default for ModelCfg {
+    fn default() -> Self {
+        ModelCfg {
+            vocab_size: 256,
+            d_model: 128,
+            n_layers: 2,
+            n_heads: 8,
+            n_kv_heads: 4,
+            ffn_hidden: 256,
+            max_seq_len: 1024,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            tie_embeddings: false,
+        }
+    }
+}
+
+impl ModelCfg {
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+}
+
+/// `[parallel]`: the degrees of the 4-D mesh. `dp_shard = -1` fills what is left of the world.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ParallelCfg {
+    pub dp_replicate: i64,
+    pub dp_shard: i64,
+    pub cp: i64,
+    pub tp: i64,
+    pub sequence_parallel: bool,
+    /// FSDP: free gathered block parameters after forward (ZeRO-3) or keep them for backward.
+    pub reshard_after_forward: bool,
+}
+
+impl Default for ParallelCfg {
+    fn default() -> Self {
+        ParallelCfg { dp_replicate: 1, dp_shard: -1, cp: 1, tp: 1, sequence_parallel: false, reshard_after_forward: true }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActCkpt {
+    /// Keep every activation for backward.
+    None,
+    /// Keep only each block's input; recompute the block in backward.
+    Full,
+}
+
+/// `[train]`: batch geometry and activation checkpointing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainCfg {
+    pub seq_len: usize,
+    /// Sequences per rank per micro-step.
+    pub micro_batch: usize,
+    /// Sequences per optimiser step over the whole job (0 = derive from `grad_accum`).
+    pub global_batch: usize,
+    /// Micro-steps per optimiser step (0 = derive from `global_batch`).
+    pub grad_accum: usize,
+    pub activation_checkpointing: ActCkpt,
+}
+
+impl Default for TrainCfg {
+    fn default() -> Self {
+        TrainCfg { seq_len: 64, micro_batch: 1, global_batch: 0, grad_accum: 0, activation_checkpointing: ActCkpt::None }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    Cosine,
+    Linear,
+    Constant,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScaling {
+    None,
+    Linear,
+    Sqrt,
+}
+
+/// `[optim]`: AdamW with PyTorch semantics, global-norm clipping and the LR schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimCfg {
+    pub lr: f64,
+    pub min_lr: f64,
+    pub schedule: Schedule,
+    pub warmup_steps: u64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Max global L2 norm of the gradient; 0 disables clipping.
+    pub grad_clip: f64,
+    pub lr_scaling: LrScaling,
+    /// Reference global batch (sequences) for `lr_scaling`; `lr` is the rate at this batch.
+    pub base_batch: usize,
+}
+
+impl Default for OptimCfg {
+    fn default() -> Self {
+        OptimCfg {
+            lr: 3e-4,
+            min_lr: 0.0,
+            schedule: Schedule::Cosine,
+            warmup_steps: 0,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_clip: 1.0,
+            lr_scaling: LrScaling::None,
+            base_batch: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    Synthetic,
+    Hdf5,
+    Bin,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    Sequential,
+    Shuffled,
+}
+
+/// `[data]`: where tokens come from and in which order samples are taken.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataCfg {
+    pub source: Source,
+    /// A file (HDF5 or `.bin`), or for `.bin` a glob of shards.
+    pub path: String,
+    /// HDF5 dataset holding the 1-D token array.
+    pub dataset: String,
+    pub order: Order,
+    /// Synthetic source: successors per token of the seeded Markov chain.
+    pub synthetic_branching: usize,
+}
+
+impl Default for DataCfg {
+    fn default() -> Self {
+        DataCfg { source: Source::Synthetic, path: String::new(), dataset: "tokens".into(), order: Order::Sequential, synthetic_branching: 4 }
+    }
+}
+
+/// `[checkpoint]`: where and how often checkpoints are written, and what to start from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointCfg {
+    /// Empty means `<out_dir>/ckpt`.
+    pub dir: String,
+    /// Write a checkpoint every this many optimiser steps (0 = never).
+    pub every: u64,
+    /// Checkpoints to keep (0 = all).
+    pub keep: usize,
+    /// `""` (start fresh), `"auto"` (newest valid) or a checkpoint path.
+    pub resume: String,
+    /// A Hugging Face model folder (`config.json` + `model.safetensors`) to initialise from.
+    pub init_from: String,
+}
+
+impl Default for CheckpointCfg {
+    fn default() -> Self {
+        CheckpointCfg { dir: String::new(), every: 0, keep: 0, resume: String::new(), init_from: String::new() }
+    }
+}
+
+/// `[log]`: how often rank 0 prints a line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogCfg {
+    pub every: u64,
+}
+
+impl Default for LogCfg {
+    fn default() -> Self {
+        LogCfg { every: 10 }
+    }
+}
+
+/// `[hardware]`: peak rates used for MFU and planning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HardwareCfg {
+    /// Peak FLOP/s of one rank (0 = measure with a short GEMM probe at start).
+    pub peak_flops_per_rank: f64,
+}
+
+impl Default for HardwareCfg {
+    fn default() -> Self {
+        HardwareCfg { peak_flops_per_rank: 0.0 }
+    }
+}
+
+/// The whole deck after parsing and overrides, before world-size checks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct Deck {
+    pub run: RunCfg,
+    pub model: ModelCfg,
+    pub parallel: ParallelCfg,
+    pub train: TrainCfg,
+    pub optim: OptimCfg,
+    pub data: DataCfg,
+    pub checkpoint: CheckpointCfg,
+    pub log: LogCfg,
+    pub hardware: HardwareCfg,
+}
+
+impl Deck {
+    /// Reads a deck file and applies `table.key=value` overrides.
+    pub fn from_file(path: &Path, overrides: &[String]) -> Result<Deck, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::new(format!("cannot read deck {}: {e}", path.display())))?;
+        Deck::from_str_with(&text, overrides).map_err(|e| ConfigError { message: format!("{}: {}", path.display(), e.message), hint: e.hint })
+    }
+
+    /// Parses deck text and applies `table.key=value` overrides.
+    pub fn from_str_with(text: &str, overrides: &[String]) -> Result<Deck, ConfigError> {
+        keys::parse(text, overrides)
+    }
+
+    /// The resolved deck as TOML (what the run saves as `deck.toml`).
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("a Deck always serialises")
+    }
+}

@@ -1,0 +1,17 @@
+//! ndtrain: an SPMD MPI trainer for Llama-style transformers with N-dimensional parallelism.
+//!
+//! See `docs/architecture.md` for what each module owns.
+
+pub mod cli;
+pub mod comm;
+pub mod config;
+pub mod data;
+pub mod hdf5io;
+pub mod hf;
+pub mod mesh;
+pub mod metrics;
+pub mod model;
+pub mod optim;
+pub mod real;
+pub mod rng;
+pub mod train;
