@@ -1,1 +1,588 @@
-//! placeholder
+//! Hugging Face model folders: `config.json` + `model.safetensors` of a `LlamaForCausalLM`.
+//!
+//! Reads a folder into a full, unsharded [`ModelParams`] (tensor names and `[out, in]` shapes are
+//! the Hugging Face ones, so no renaming or transposing happens) and writes one that
+//! `transformers.LlamaForCausalLM.from_pretrained` loads. The config check accepts both the
+//! transformers 4.x layout (`rope_theta`, `rope_scaling`) and the 5.x one (`rope_parameters`).
+//! A sharded checkpoint (`model.safetensors.index.json` + shards) is read too.
+//!
+//! Knows nothing of the mesh: a caller that wants only its shard slices the result; the
+//! checkpoint module owns sharded HDF5 I/O.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::{json, Value};
+
+use crate::config::ModelCfg;
+use crate::model::params::{param_specs, ModelParams};
+use crate::real::Real;
+
+/// What went wrong reading or writing a Hugging Face folder; the message names the file, the
+/// key or tensor, and the numbers involved.
+#[derive(Debug)]
+pub struct HfError(pub String);
+
+impl fmt::Display for HfError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for HfError {}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, HfError> {
+    Err(HfError(msg.into()))
+}
+
+/// Relative tolerance for the float keys of `config.json` (`rope_theta`, `rms_norm_eps`) against
+/// the deck. Both sides are decimal text parsed to the nearest f64, so equal values agree
+/// exactly; this only forgives a last-digit difference in how a writer formatted them.
+const CONFIG_FLOAT_REL_TOL: f64 = 1e-12;
+
+/// Defaults `transformers.LlamaConfig` uses for keys a `config.json` may omit.
+const HF_DEFAULT_ROPE_THETA: f64 = 10000.0;
+const HF_DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
+
+fn read_config(dir: &Path) -> Result<Value, HfError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| HfError(format!("cannot read {}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| HfError(format!("{}: not valid JSON: {e}", path.display())))
+}
+
+/// Reads `config.json` and checks it describes the same model as the deck's `[model]`.
+///
+/// Compares `vocab_size`, `hidden_size` (= `d_model`), `num_hidden_layers`,
+/// `num_attention_heads`, `num_key_value_heads`, `intermediate_size` (= `ffn_hidden`),
+/// `rope_theta`, `rms_norm_eps` and `tie_word_embeddings`; a mismatch names the HF key, the deck
+/// key and both values. Also rejects what ndtrain does not implement: `hidden_act` other than
+/// `silu`, attention or MLP biases, RoPE scaling, and a `head_dim` other than
+/// `d_model / n_heads`. Keys the file omits take `LlamaConfig`'s defaults.
+pub fn check_config(dir: &Path, cfg: &ModelCfg) -> Result<(), HfError> {
+    let c = read_config(dir)?;
+    let file = dir.join("config.json");
+    let file = file.display();
+
+    let int = |key: &str| -> Result<Option<u64>, HfError> {
+        match c.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| HfError(format!("{file}: {key} = {v} is not a count"))),
+        }
+    };
+    let float = |v: &Value, key: &str| -> Result<f64, HfError> {
+        v.as_f64().ok_or_else(|| HfError(format!("{file}: {key} = {v} is not a number")))
+    };
+    let flag = |key: &str, default: bool| -> Result<bool, HfError> {
+        match c.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| HfError(format!("{file}: {key} = {v} is not true/false"))),
+        }
+    };
+
+    // Integer geometry. num_key_value_heads defaults to num_attention_heads (no GQA), as in HF.
+    let heads = int("num_attention_heads")?;
+    let counts: [(&str, &str, Option<u64>, usize); 6] = [
+        ("vocab_size", "vocab_size", int("vocab_size")?, cfg.vocab_size),
+        ("hidden_size", "d_model", int("hidden_size")?, cfg.d_model),
+        ("num_hidden_layers", "n_layers", int("num_hidden_layers")?, cfg.n_layers),
+        ("num_attention_heads", "n_heads", heads, cfg.n_heads),
+        ("num_key_value_heads", "n_kv_heads", int("num_key_value_heads")?.or(heads), cfg.n_kv_heads),
+        ("intermediate_size", "ffn_hidden", int("intermediate_size")?, cfg.ffn_hidden),
+    ];
+    for (hf_key, deck_key, hf, deck) in counts {
+        match hf {
+            None => return err(format!("{file}: {hf_key} is missing (the deck has [model] {deck_key} = {deck})")),
+            Some(h) if h != deck as u64 => return err(format!("{file}: {hf_key} = {h}, but the deck has [model] {deck_key} = {deck}")),
+            Some(_) => {}
+        }
+    }
+
+    // RoPE: transformers 4.x writes rope_theta + rope_scaling, 5.x writes rope_parameters.
+    if let Some(s) = c.get("rope_scaling").filter(|v| !v.is_null()) {
+        return err(format!("{file}: rope_scaling = {s}; ndtrain implements only unscaled RoPE"));
+    }
+    let mut theta = match c.get("rope_theta") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(float(v, "rope_theta")?),
+    };
+    if let Some(rp) = c.get("rope_parameters").filter(|v| !v.is_null()) {
+        match rp.get("rope_type").and_then(Value::as_str) {
+            None | Some("default") => {}
+            Some(t) => return err(format!("{file}: rope_parameters.rope_type = \"{t}\"; ndtrain implements only \"default\" RoPE")),
+        }
+        if let Some(v) = rp.get("rope_theta") {
+            let t = float(v, "rope_parameters.rope_theta")?;
+            if let Some(top) = theta.filter(|&top| !close(top, t)) {
+                return err(format!("{file}: rope_theta = {top} disagrees with rope_parameters.rope_theta = {t}"));
+            }
+            theta = Some(t);
+        }
+    }
+    let theta = theta.unwrap_or(HF_DEFAULT_ROPE_THETA);
+    if !close(theta, cfg.rope_theta) {
+        return err(format!("{file}: rope_theta = {theta}, but the deck has [model] rope_theta = {}", cfg.rope_theta));
+    }
+
+    let eps = match c.get("rms_norm_eps") {
+        None | Some(Value::Null) => HF_DEFAULT_RMS_NORM_EPS,
+        Some(v) => float(v, "rms_norm_eps")?,
+    };
+    if !close(eps, cfg.norm_eps) {
+        return err(format!("{file}: rms_norm_eps = {eps}, but the deck has [model] norm_eps = {}", cfg.norm_eps));
+    }
+
+    let tied = flag("tie_word_embeddings", false)?;
+    if tied != cfg.tie_embeddings {
+        return err(format!("{file}: tie_word_embeddings = {tied}, but the deck has [model] tie_embeddings = {}", cfg.tie_embeddings));
+    }
+
+    match c.get("hidden_act") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(a)) if a == "silu" => {}
+        Some(a) => return err(format!("{file}: hidden_act = {a}; ndtrain implements only \"silu\"")),
+    }
+    for key in ["attention_bias", "mlp_bias"] {
+        if flag(key, false)? {
+            return err(format!("{file}: {key} = true; ndtrain's Llama has no biases"));
+        }
+    }
+    if let Some(hd) = int("head_dim")? {
+        if hd != cfg.head_dim() as u64 {
+            return err(format!(
+                "{file}: head_dim = {hd}, but ndtrain uses d_model / n_heads = {} / {} = {}",
+                cfg.d_model,
+                cfg.n_heads,
+                cfg.head_dim()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= CONFIG_FLOAT_REL_TOL * a.abs().max(b.abs())
+}
+
+/// The safetensors files of a folder: `model.safetensors`, or the shards its index names.
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return err(format!("{}: neither model.safetensors nor model.safetensors.index.json exists", dir.display()));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| HfError(format!("cannot read {}: {e}", index.display())))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| HfError(format!("{}: not valid JSON: {e}", index.display())))?;
+    let map =
+        v.get("weight_map").and_then(Value::as_object).ok_or_else(|| HfError(format!("{}: no weight_map object", index.display())))?;
+    let mut files: Vec<PathBuf> = Vec::new();
+    for (name, f) in map {
+        let f = f.as_str().ok_or_else(|| HfError(format!("{}: weight_map[{name}] is not a file name", index.display())))?;
+        let p = dir.join(f);
+        if !files.contains(&p) {
+            files.push(p);
+        }
+    }
+    Ok(files)
+}
+
+/// Converts little-endian f32/f16/bf16/f64 bytes into `dst`.
+fn convert_into<T: Real>(name: &str, view: &TensorView<'_>, dst: &mut [T]) -> Result<(), HfError> {
+    let bytes = view.data();
+    macro_rules! fill {
+        ($n:expr, $f:expr) => {{
+            debug_assert_eq!(bytes.len(), dst.len() * $n);
+            for (d, c) in dst.iter_mut().zip(bytes.chunks_exact($n)) {
+                *d = T::from_f64($f(c.try_into().expect("chunks_exact")));
+            }
+        }};
+    }
+    match view.dtype() {
+        Dtype::F32 => fill!(4, |c: [u8; 4]| f32::from_le_bytes(c) as f64),
+        Dtype::F64 => fill!(8, f64::from_le_bytes),
+        Dtype::BF16 => fill!(2, |c: [u8; 2]| bf16_to_f32(u16::from_le_bytes(c)) as f64),
+        Dtype::F16 => fill!(2, |c: [u8; 2]| f16_to_f32(u16::from_le_bytes(c)) as f64),
+        d => return err(format!("tensor {name} has dtype {d:?}; ndtrain reads F32, F16, BF16 or F64")),
+    }
+    Ok(())
+}
+
+/// bfloat16 is the upper half of an f32.
+fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// IEEE 754 binary16 to f32, exact (every f16 value is an f32 value), incl. subnormals, ±inf, NaN.
+fn f16_to_f32(bits: u16) -> f32 {
+    let sign = ((bits >> 15) as u32) << 31;
+    let exp = ((bits >> 10) & 0x1f) as u32;
+    let man = (bits & 0x3ff) as u32;
+    let out = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: m · 2^-24, normalised into f32.
+            let shift = m.leading_zeros() - 21; // bring the leading 1 to bit 10
+            let m = (m << shift) & 0x3ff;
+            sign | ((127 - 15 + 1 - shift) << 23) | (m << 13)
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(out)
+}
+
+/// Loads every parameter of a Hugging Face `LlamaForCausalLM` folder into a full [`ModelParams`].
+///
+/// Checks `config.json` with [`check_config`] first, then reads each tensor of
+/// [`param_specs`] by its Hugging Face name (f32, f16, bf16 or f64 in the file, converted to `T`)
+/// and checks its shape. A missing or mis-shaped tensor is an error naming it. With
+/// `tie_embeddings` the file may omit `lm_head.weight` (if present it is ignored); an untied
+/// deck needs it. A tensor the model does not have is an error too (old checkpoints'
+/// `rotary_emb.inv_freq` buffers excepted), since it means the file is some other architecture.
+pub fn load_params<T: Real>(dir: &Path, cfg: &ModelCfg) -> Result<ModelParams<T>, HfError> {
+    check_config(dir, cfg)?;
+    let specs = param_specs(cfg);
+    let mut params = ModelParams::<T>::zeros(cfg);
+    let mut found = vec![false; specs.len()];
+    let index: HashMap<&str, usize> = specs.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+    let files = weight_files(dir)?;
+    let mut unexpected = Vec::new();
+    {
+        let mut dst = params.tensors_mut();
+        for path in &files {
+            let file = File::open(path).map_err(|e| HfError(format!("cannot open {}: {e}", path.display())))?;
+            // SAFETY: the file is opened read-only and only read while mapped; like every reader of
+            // safetensors we assume no other process truncates it during the load.
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| HfError(format!("cannot map {}: {e}", path.display())))?;
+            let st =
+                SafeTensors::deserialize(&mmap).map_err(|e| HfError(format!("{}: not a valid safetensors file: {e}", path.display())))?;
+            for (name, view) in st.iter() {
+                let Some(&i) = index.get(name) else {
+                    let tied_head = cfg.tie_embeddings && name == "lm_head.weight";
+                    if !tied_head && !name.ends_with("rotary_emb.inv_freq") {
+                        unexpected.push(name.to_string());
+                    }
+                    continue;
+                };
+                let spec = &specs[i];
+                if view.shape() != spec.shape.as_slice() {
+                    return err(format!(
+                        "{}: tensor {name} has shape {:?}, but the deck's [model] needs {:?}",
+                        path.display(),
+                        view.shape(),
+                        spec.shape
+                    ));
+                }
+                if found[i] {
+                    return err(format!("{}: tensor {name} appears twice", dir.display()));
+                }
+                convert_into(name, &view, dst[i])?;
+                found[i] = true;
+            }
+        }
+    }
+    if let Some(i) = found.iter().position(|&f| !f) {
+        let hint = if specs[i].name == "lm_head.weight" { " (the deck has tie_embeddings = false)" } else { "" };
+        return err(format!("{}: tensor {} is missing{hint}", dir.display(), specs[i].name));
+    }
+    if !unexpected.is_empty() {
+        unexpected.sort();
+        return err(format!("{}: tensors that a Llama model of this [model] does not have: {}", dir.display(), unexpected.join(", ")));
+    }
+    Ok(params)
+}
+
+/// The `config.json` [`save_params`] writes: the keys of both transformers 4.x (`rope_theta`,
+/// `rope_scaling`) and 5.x (`rope_parameters`), so either loads it.
+fn config_json(cfg: &ModelCfg) -> Value {
+    json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim(),
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": null,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "mlp_bias": false,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": true,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    })
+}
+
+/// Writes `config.json` + `model.safetensors` (f32) into `dir` (created if needed) such that
+/// `transformers.LlamaForCausalLM.from_pretrained(dir)` loads the same model. A tied model
+/// writes no `lm_head.weight`, as Hugging Face does.
+pub fn save_params<T: Real>(dir: &Path, cfg: &ModelCfg, params: &ModelParams<T>) -> Result<(), HfError> {
+    std::fs::create_dir_all(dir).map_err(|e| HfError(format!("cannot create {}: {e}", dir.display())))?;
+    let specs = param_specs(cfg);
+    let tensors = params.tensors();
+    if tensors.len() != specs.len() {
+        return err(format!(
+            "save_params: the parameters hold {} tensors, but the deck's [model] has {} (tie_embeddings = {})",
+            tensors.len(),
+            specs.len(),
+            cfg.tie_embeddings
+        ));
+    }
+    let mut bytes: BTreeMap<&str, (Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for (spec, t) in specs.iter().zip(&tensors) {
+        if t.len() != spec.numel() {
+            return err(format!("save_params: {} has {} elements, expected {:?}", spec.name, t.len(), spec.shape));
+        }
+        let b: Vec<u8> = t.iter().flat_map(|x| (x.to_f64() as f32).to_le_bytes()).collect();
+        bytes.insert(&spec.name, (spec.shape.clone(), b));
+    }
+    let mut views = Vec::with_capacity(bytes.len());
+    for (name, (shape, b)) in &bytes {
+        let v = TensorView::new(Dtype::F32, shape.clone(), b).map_err(|e| HfError(format!("{name}: {e}")))?;
+        views.push((*name, v));
+    }
+    // transformers refuses a safetensors file whose metadata lacks format = "pt".
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let path = dir.join("model.safetensors");
+    safetensors::serialize_to_file(views, Some(meta), &path).map_err(|e| HfError(format!("cannot write {}: {e}", path.display())))?;
+    let cfg_path = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&config_json(cfg)).expect("a JSON value always serialises");
+    std::fs::write(&cfg_path, text + "\n").map_err(|e| HfError(format!("cannot write {}: {e}", cfg_path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small(tied: bool) -> ModelCfg {
+        ModelCfg {
+            vocab_size: 40,
+            d_model: 16,
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            ffn_hidden: 24,
+            max_seq_len: 32,
+            rope_theta: 500000.0,
+            norm_eps: 1e-6,
+            tie_embeddings: tied,
+        }
+    }
+
+    fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Map<String, Value>)) {
+        let mut v = read_config(dir).unwrap();
+        f(v.as_object_mut().unwrap());
+        std::fs::write(dir.join("config.json"), serde_json::to_string(&v).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn save_then_load_round_trips_tied_and_untied() {
+        for tied in [false, true] {
+            let cfg = small(tied);
+            let p = ModelParams::<f32>::init(&cfg, 7);
+            let dir = tempfile::tempdir().unwrap();
+            save_params(dir.path(), &cfg, &p).unwrap();
+            check_config(dir.path(), &cfg).unwrap();
+            let q: ModelParams<f32> = load_params(dir.path(), &cfg).unwrap();
+            assert_eq!(p, q, "tied = {tied}");
+            // f64 parameters are written as f32 and come back rounded to f32.
+            let q64: ModelParams<f64> = load_params(dir.path(), &cfg).unwrap();
+            assert_eq!(q64, p.cast::<f64>(&cfg));
+        }
+    }
+
+    #[test]
+    fn mismatched_config_is_an_error_naming_both_keys_and_values() {
+        let cfg = small(false);
+        let dir = tempfile::tempdir().unwrap();
+        save_params(dir.path(), &cfg, &ModelParams::<f32>::init(&cfg, 1)).unwrap();
+        let cases: Vec<(ModelCfg, &str)> = vec![
+            (ModelCfg { n_kv_heads: 4, ..cfg.clone() }, "num_key_value_heads = 2, but the deck has [model] n_kv_heads = 4"),
+            (ModelCfg { d_model: 32, ..cfg.clone() }, "hidden_size = 16, but the deck has [model] d_model = 32"),
+            (ModelCfg { ffn_hidden: 8, ..cfg.clone() }, "intermediate_size = 24, but the deck has [model] ffn_hidden = 8"),
+            (ModelCfg { vocab_size: 41, ..cfg.clone() }, "vocab_size = 40, but the deck has [model] vocab_size = 41"),
+            (ModelCfg { n_layers: 3, ..cfg.clone() }, "num_hidden_layers = 2, but the deck has [model] n_layers = 3"),
+            (ModelCfg { rope_theta: 10000.0, ..cfg.clone() }, "rope_theta = 500000, but the deck has [model] rope_theta = 10000"),
+            (ModelCfg { norm_eps: 1e-5, ..cfg.clone() }, "rms_norm_eps = 0.000001, but the deck has [model] norm_eps = 0.00001"),
+            (
+                ModelCfg { tie_embeddings: true, ..cfg.clone() },
+                "tie_word_embeddings = false, but the deck has [model] tie_embeddings = true",
+            ),
+        ];
+        for (deck, want) in cases {
+            let e = check_config(dir.path(), &deck).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+            // load_params checks the config before reading any tensor.
+            let e = load_params::<f32>(dir.path(), &deck).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+
+    #[test]
+    fn unsupported_architectures_are_errors() {
+        let cfg = small(false);
+        let edits: [(&str, Value, &str); 6] = [
+            ("hidden_act", json!("gelu"), "hidden_act = \"gelu\""),
+            ("attention_bias", json!(true), "attention_bias = true"),
+            ("mlp_bias", json!(true), "mlp_bias = true"),
+            ("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
+            ("rope_parameters", json!({"rope_type": "yarn", "rope_theta": 500000.0}), "rope_type = \"yarn\""),
+            ("head_dim", json!(8), "head_dim = 8"),
+        ];
+        for (key, value, want) in edits {
+            let dir = tempfile::tempdir().unwrap();
+            save_params(dir.path(), &cfg, &ModelParams::<f32>::init(&cfg, 1)).unwrap();
+            edit_config(dir.path(), |c| {
+                c.insert(key.into(), value);
+            });
+            let e = check_config(dir.path(), &cfg).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+
+    #[test]
+    fn transformers_4_and_5_rope_layouts_and_defaults_are_accepted() {
+        let cfg = ModelCfg { rope_theta: 10000.0, norm_eps: 1e-6, n_kv_heads: 4, ..small(false) };
+        let dir = tempfile::tempdir().unwrap();
+        save_params(dir.path(), &cfg, &ModelParams::<f32>::init(&cfg, 1)).unwrap();
+        // 4.x: only top-level rope_theta.
+        edit_config(dir.path(), |c| {
+            c.remove("rope_parameters");
+        });
+        check_config(dir.path(), &cfg).unwrap();
+        // 5.x: only rope_parameters.
+        edit_config(dir.path(), |c| {
+            c.remove("rope_theta");
+            c.remove("rope_scaling");
+            c.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 10000.0}));
+        });
+        check_config(dir.path(), &cfg).unwrap();
+        // Omitted keys take LlamaConfig's defaults (theta 1e4, eps 1e-6, kv heads = heads, untied).
+        edit_config(dir.path(), |c| {
+            for k in ["rope_parameters", "rms_norm_eps", "num_key_value_heads", "tie_word_embeddings", "head_dim"] {
+                c.remove(k);
+            }
+        });
+        check_config(dir.path(), &cfg).unwrap();
+    }
+
+    #[test]
+    fn missing_misshaped_and_foreign_tensors_are_named() {
+        let cfg = small(false);
+        let tied = small(true);
+        let dir = tempfile::tempdir().unwrap();
+        // A tied folder lacks lm_head.weight: an untied deck (with the config made to agree) needs it.
+        save_params(dir.path(), &tied, &ModelParams::<f32>::init(&tied, 1)).unwrap();
+        edit_config(dir.path(), |c| {
+            c.insert("tie_word_embeddings".into(), json!(false));
+        });
+        let e = load_params::<f32>(dir.path(), &cfg).unwrap_err().to_string();
+        assert!(e.contains("tensor lm_head.weight is missing"), "{e}");
+
+        // A mis-shaped tensor: write a file by hand whose q_proj is transposed.
+        let p = ModelParams::<f32>::init(&cfg, 1);
+        save_params(dir.path(), &cfg, &p).unwrap();
+        let specs = param_specs(&cfg);
+        let raw: Vec<Vec<u8>> = p.tensors().iter().map(|t| t.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+        let write = |extra: Option<&str>, swap: bool| {
+            let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
+            for (s, b) in specs.iter().zip(&raw) {
+                let mut shape = s.shape.clone();
+                if swap && s.name == "model.layers.1.self_attn.k_proj.weight" {
+                    shape.reverse();
+                }
+                views.push((s.name.clone(), TensorView::new(Dtype::F32, shape, b).unwrap()));
+            }
+            if let Some(name) = extra {
+                views.push((name.to_string(), TensorView::new(Dtype::F32, vec![16], &raw[1]).unwrap()));
+            }
+            safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+        };
+        write(None, true);
+        let e = load_params::<f32>(dir.path(), &cfg).unwrap_err().to_string();
+        assert!(e.contains("model.layers.1.self_attn.k_proj.weight has shape [16, 8], but"), "{e}");
+        write(Some("model.layers.0.self_attn.q_proj.bias"), false);
+        let e = load_params::<f32>(dir.path(), &cfg).unwrap_err().to_string();
+        assert!(e.contains("model.layers.0.self_attn.q_proj.bias"), "{e}");
+        write(Some("model.layers.0.self_attn.rotary_emb.inv_freq"), false);
+        assert_eq!(load_params::<f32>(dir.path(), &cfg).unwrap(), p);
+    }
+
+    #[test]
+    fn half_precision_files_convert_exactly() {
+        // f16: 1, -2, 65504 (max), 2^-24 (smallest subnormal), 3·2^-16 (subnormal), +inf.
+        let f16 = [0x3c00u16, 0xc000, 0x7bff, 0x0001, 0x0003, 0x7c00];
+        let want = [1.0f32, -2.0, 65504.0, 2f32.powi(-24), 3.0 * 2f32.powi(-24), f32::INFINITY];
+        for (b, w) in f16.iter().zip(want) {
+            assert_eq!(f16_to_f32(*b), w, "{b:#06x}");
+        }
+        assert!(f16_to_f32(0x7e00).is_nan());
+        assert_eq!(f16_to_f32(0x8000).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(f16_to_f32(0x0200), 2f32.powi(-15)); // largest-bit subnormal
+        assert_eq!(bf16_to_f32(0x3f80), 1.0);
+        assert_eq!(bf16_to_f32(0xc040), -3.0);
+
+        // A whole model stored as bf16 and as f16 loads to the values those types hold.
+        let cfg = small(true);
+        let p = ModelParams::<f32>::init(&cfg, 3);
+        let dir = tempfile::tempdir().unwrap();
+        save_params(dir.path(), &cfg, &p).unwrap();
+        let specs = param_specs(&cfg);
+        let bf: Vec<Vec<u8>> =
+            p.tensors().iter().map(|t| t.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect()).collect();
+        let views: Vec<_> =
+            specs.iter().zip(&bf).map(|(s, b)| (s.name.clone(), TensorView::new(Dtype::BF16, s.shape.clone(), b).unwrap())).collect();
+        safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+        let q: ModelParams<f32> = load_params(dir.path(), &cfg).unwrap();
+        for (a, b) in p.tensors().iter().zip(q.tensors()) {
+            for (x, y) in a.iter().zip(b.iter()) {
+                assert_eq!(f32::from_bits(x.to_bits() & 0xffff_0000), *y);
+            }
+        }
+    }
+
+    #[test]
+    fn sharded_checkpoints_are_read_through_the_index() {
+        let cfg = small(false);
+        let p = ModelParams::<f32>::init(&cfg, 5);
+        let dir = tempfile::tempdir().unwrap();
+        save_params(dir.path(), &cfg, &p).unwrap();
+        std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+        let specs = param_specs(&cfg);
+        let raw: Vec<Vec<u8>> = p.tensors().iter().map(|t| t.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+        let mut map = serde_json::Map::new();
+        for (k, file) in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"].iter().enumerate() {
+            let views: Vec<_> = specs
+                .iter()
+                .zip(&raw)
+                .enumerate()
+                .filter(|(i, _)| i % 2 == k)
+                .map(|(_, (s, b))| {
+                    map.insert(s.name.clone(), json!(file));
+                    (s.name.clone(), TensorView::new(Dtype::F32, s.shape.clone(), b).unwrap())
+                })
+                .collect();
+            safetensors::serialize_to_file(views, None, &dir.path().join(file)).unwrap();
+        }
+        let index = json!({"metadata": {}, "weight_map": map});
+        std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
+        assert_eq!(load_params::<f32>(dir.path(), &cfg).unwrap(), p);
+    }
+}

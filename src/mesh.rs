@@ -1,1 +1,154 @@
-//! placeholder
+//! The 4-D process mesh: `dp_replicate × dp_shard × cp × tp`, TP fastest-varying.
+//!
+//! `rank = ((r·dp_shard + s)·cp + c)·tp + t`. Builds one communicator per group of
+//! DESIGN.md with `MPI_Comm_split` (through `comm`): `tp` (ranks differing only in t), `cp`
+//! (only c), `fsdp` (s and c: FSDP shards over `dp_shard × cp`), `dp_rep` (only r) and
+//! `batch` (r and s: which samples a rank sees). Every group exists at every degree, size 1
+//! included. Knows nothing of what is communicated.
+
+use crate::comm::Group;
+use crate::config::Layout;
+
+/// A rank's coordinates in the mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Coords {
+    pub r: usize,
+    pub s: usize,
+    pub c: usize,
+    pub t: usize,
+}
+
+/// The groups of the mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupKind {
+    Tp,
+    Cp,
+    Fsdp,
+    DpRep,
+    Batch,
+}
+
+impl Coords {
+    pub fn of_rank(rank: usize, l: &Layout) -> Coords {
+        Coords { t: rank % l.tp, c: (rank / l.tp) % l.cp, s: (rank / (l.tp * l.cp)) % l.dp_shard, r: rank / (l.tp * l.cp * l.dp_shard) }
+    }
+
+    pub fn rank(&self, l: &Layout) -> usize {
+        ((self.r * l.dp_shard + self.s) * l.cp + self.c) * l.tp + self.t
+    }
+
+    /// Data-parallel rank: which slice of each global batch this rank reads.
+    pub fn dp_rank(&self, l: &Layout) -> usize {
+        self.r * l.dp_shard + self.s
+    }
+
+    /// `(color, key)` for `MPI_Comm_split`: equal colour = same group; key = coordinate in it.
+    pub fn color_key(&self, g: GroupKind, l: &Layout) -> (usize, usize) {
+        let Coords { r, s, c, t } = *self;
+        match g {
+            GroupKind::Tp => (((r * l.dp_shard + s) * l.cp) + c, t),
+            GroupKind::Cp => ((r * l.dp_shard + s) * l.tp + t, c),
+            GroupKind::Fsdp => (r * l.tp + t, s * l.cp + c),
+            GroupKind::DpRep => ((s * l.cp + c) * l.tp + t, r),
+            GroupKind::Batch => (c * l.tp + t, r * l.dp_shard + s),
+        }
+    }
+}
+
+/// This rank's place in the mesh and its communicators.
+pub struct Mesh {
+    pub layout: Layout,
+    pub coords: Coords,
+    pub world: Group,
+    pub tp: Group,
+    pub cp: Group,
+    pub fsdp: Group,
+    pub dp_rep: Group,
+    pub batch: Group,
+    /// Ranks on this node (for threads per rank and, later, the GPU index).
+    pub node: Group,
+}
+
+impl Mesh {
+    /// Splits the world into the mesh's groups. The layout must already be checked against
+    /// the world size (`Deck::resolve`).
+    pub fn new(world: Group, layout: Layout) -> Mesh {
+        assert_eq!(layout.world_size(), world.size(), "layout was not resolved against this world");
+        let coords = Coords::of_rank(world.rank(), &layout);
+        let split = |name, g| {
+            let (color, key) = coords.color_key(g, &layout);
+            world.split(name, color, key)
+        };
+        let tp = split("tp", GroupKind::Tp);
+        let cp = split("cp", GroupKind::Cp);
+        let fsdp = split("fsdp", GroupKind::Fsdp);
+        let dp_rep = split("dp_rep", GroupKind::DpRep);
+        let batch = split("batch", GroupKind::Batch);
+        let node = world.split_shared();
+        Mesh { layout, coords, world, tp, cp, fsdp, dp_rep, batch, node }
+    }
+
+    /// Every group with its name, for counters and logs.
+    pub fn groups(&self) -> [&Group; 5] {
+        [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.batch]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> Layout {
+        Layout { dp_replicate: 2, dp_shard: 3, cp: 2, tp: 2 }
+    }
+
+    #[test]
+    fn coordinates_round_trip_and_tp_is_fastest() {
+        let l = layout();
+        for rank in 0..l.world_size() {
+            assert_eq!(Coords::of_rank(rank, &l).rank(&l), rank);
+        }
+        assert_eq!(Coords::of_rank(1, &l), Coords { r: 0, s: 0, c: 0, t: 1 });
+        assert_eq!(Coords::of_rank(2, &l), Coords { r: 0, s: 0, c: 1, t: 0 });
+    }
+
+    /// Each group has the size DESIGN.md gives, its members differ exactly in the group's
+    /// coordinates, and keys are 0..size within each colour.
+    #[test]
+    fn groups_have_design_sizes_and_members() {
+        let l = layout();
+        let sizes = [
+            (GroupKind::Tp, l.tp),
+            (GroupKind::Cp, l.cp),
+            (GroupKind::Fsdp, l.dp_shard * l.cp),
+            (GroupKind::DpRep, l.dp_replicate),
+            (GroupKind::Batch, l.dp_replicate * l.dp_shard),
+        ];
+        for (g, size) in sizes {
+            let mut by_color: std::collections::BTreeMap<usize, Vec<(usize, Coords)>> = Default::default();
+            for rank in 0..l.world_size() {
+                let c = Coords::of_rank(rank, &l);
+                let (color, key) = c.color_key(g, &l);
+                by_color.entry(color).or_default().push((key, c));
+            }
+            assert_eq!(by_color.len(), l.world_size() / size, "{g:?}");
+            for members in by_color.values() {
+                assert_eq!(members.len(), size, "{g:?}");
+                let mut keys: Vec<usize> = members.iter().map(|m| m.0).collect();
+                keys.sort();
+                assert_eq!(keys, (0..size).collect::<Vec<_>>(), "{g:?}");
+                let first = members[0].1;
+                for (_, m) in members {
+                    let same = match g {
+                        GroupKind::Tp => (m.r, m.s, m.c) == (first.r, first.s, first.c),
+                        GroupKind::Cp => (m.r, m.s, m.t) == (first.r, first.s, first.t),
+                        GroupKind::Fsdp => (m.r, m.t) == (first.r, first.t),
+                        GroupKind::DpRep => (m.s, m.c, m.t) == (first.s, first.c, first.t),
+                        GroupKind::Batch => (m.c, m.t) == (first.c, first.t),
+                    };
+                    assert!(same, "{g:?}: {m:?} vs {first:?}");
+                }
+            }
+        }
+    }
+}

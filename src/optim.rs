@@ -1,1 +1,139 @@
-//! placeholder
+//! AdamW with PyTorch semantics, gradient clipping by global norm, and the LR schedule.
+//!
+//! Works on whatever tensors it is given: the full model on one rank, or a rank's shards
+//! under FSDP (the caller supplies the global norm, reduced across ranks). Knows nothing of
+//! communication. The moments are kept in the parameters' element type (f32 in training).
+
+use crate::config::{ModelCfg, OptimCfg, Schedule};
+use crate::model::params::{param_specs, ModelParams};
+use crate::real::Real;
+
+/// Learning rate of 0-based optimiser step `step` of `total_steps` for peak rate `peak_lr`:
+/// linear warm-up `peak·(s+1)/warmup`, then cosine, linear or constant down to `min_lr`.
+pub fn lr_at(cfg: &OptimCfg, peak_lr: f64, step: u64, total_steps: u64) -> f64 {
+    let warmup = cfg.warmup_steps;
+    if step < warmup {
+        return peak_lr * (step + 1) as f64 / warmup as f64;
+    }
+    let p = (step - warmup) as f64 / (total_steps.saturating_sub(warmup)).max(1) as f64;
+    let min_lr = cfg.min_lr;
+    match cfg.schedule {
+        Schedule::Cosine => min_lr + 0.5 * (peak_lr - min_lr) * (1.0 + (std::f64::consts::PI * p).cos()),
+        Schedule::Linear => peak_lr - (peak_lr - min_lr) * p,
+        Schedule::Constant => peak_lr,
+    }
+}
+
+/// Sum of squares of every gradient element, accumulated in f64 (one rank's contribution to
+/// the global norm).
+pub fn grad_sq_sum<T: Real>(grads: &ModelParams<T>) -> f64 {
+    grads.tensors().iter().map(|t| t.iter().map(|&x| x.to_f64() * x.to_f64()).sum::<f64>()).sum()
+}
+
+/// The L2 norm of all gradients of a model held whole on one rank.
+pub fn global_grad_norm<T: Real>(grads: &ModelParams<T>) -> f64 {
+    grad_sq_sum(grads).sqrt()
+}
+
+/// PyTorch's `clip_grad_norm_` coefficient: `min(1, max_norm / (norm + 1e-6))`; 1 when
+/// clipping is off (`max_norm == 0`).
+pub fn clip_coefficient(norm: f64, max_norm: f64) -> f64 {
+    if max_norm <= 0.0 {
+        1.0
+    } else {
+        (max_norm / (norm + 1e-6)).min(1.0)
+    }
+}
+
+/// Multiplies every gradient by `coef` (skipped when it is exactly 1).
+pub fn scale_grads<T: Real>(grads: &mut ModelParams<T>, coef: f64) {
+    if coef == 1.0 {
+        return;
+    }
+    let c = T::from_f64(coef);
+    for t in grads.tensors_mut() {
+        t.iter_mut().for_each(|x| *x *= c);
+    }
+}
+
+/// AdamW state: the two moments and the step count.
+pub struct AdamW<T> {
+    pub exp_avg: ModelParams<T>,
+    pub exp_avg_sq: ModelParams<T>,
+    /// Optimiser steps taken (PyTorch's `state['step']`).
+    pub t: u64,
+    decayed: Vec<bool>,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+}
+
+impl<T: Real> AdamW<T> {
+    pub fn new(model: &ModelCfg, cfg: &OptimCfg) -> Self {
+        AdamW {
+            exp_avg: ModelParams::zeros(model),
+            exp_avg_sq: ModelParams::zeros(model),
+            t: 0,
+            decayed: param_specs(model).iter().map(|s| s.decayed()).collect(),
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: cfg.weight_decay,
+        }
+    }
+
+    /// One update with learning rate `lr`, as `torch.optim.AdamW` (decoupled decay first,
+    /// then the bias-corrected Adam step); norm weights are not decayed.
+    pub fn step(&mut self, params: &mut ModelParams<T>, grads: &ModelParams<T>, lr: f64) {
+        self.t += 1;
+        let bc1 = 1.0 - self.beta1.powi(self.t as i32);
+        let bc2 = 1.0 - self.beta2.powi(self.t as i32);
+        // PyTorch: p -= lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps)
+        let step_size = T::from_f64(lr / bc1);
+        let bc2_sqrt = T::from_f64(bc2.sqrt());
+        let (b1, b2) = (T::from_f64(self.beta1), T::from_f64(self.beta2));
+        let (one_m_b1, one_m_b2) = (T::from_f64(1.0 - self.beta1), T::from_f64(1.0 - self.beta2));
+        let eps = T::from_f64(self.eps);
+        let decay = T::from_f64(1.0 - lr * self.weight_decay);
+        let tensors =
+            params.tensors_mut().into_iter().zip(grads.tensors()).zip(self.exp_avg.tensors_mut()).zip(self.exp_avg_sq.tensors_mut());
+        for (i, (((p, g), m), v)) in tensors.enumerate() {
+            let decayed = self.decayed[i] && self.weight_decay != 0.0;
+            for j in 0..p.len() {
+                if decayed {
+                    p[j] *= decay;
+                }
+                m[j] = b1 * m[j] + one_m_b1 * g[j];
+                v[j] = b2 * v[j] + one_m_b2 * g[j] * g[j];
+                p[j] -= step_size * m[j] / (v[j].sqrt() / bc2_sqrt + eps);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_follows_design() {
+        let cfg = OptimCfg { lr: 1.0, min_lr: 0.1, warmup_steps: 2, schedule: Schedule::Cosine, ..Default::default() };
+        assert!((lr_at(&cfg, 1.0, 0, 10) - 0.5).abs() < 1e-15);
+        assert!((lr_at(&cfg, 1.0, 1, 10) - 1.0).abs() < 1e-15);
+        assert!((lr_at(&cfg, 1.0, 2, 10) - 1.0).abs() < 1e-15);
+        // p = (6-2)/8 = 0.5 → min + (peak-min)/2
+        assert!((lr_at(&cfg, 1.0, 6, 10) - 0.55).abs() < 1e-12);
+        let lin = OptimCfg { schedule: Schedule::Linear, ..cfg.clone() };
+        assert!((lr_at(&lin, 1.0, 6, 10) - 0.55).abs() < 1e-12);
+        let c = OptimCfg { schedule: Schedule::Constant, ..cfg };
+        assert_eq!(lr_at(&c, 1.0, 9, 10), 1.0);
+    }
+
+    #[test]
+    fn clip_coefficient_matches_pytorch() {
+        assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
+        assert!((clip_coefficient(4.0, 1.0) - 1.0 / (4.0 + 1e-6)).abs() < 1e-15);
+        assert_eq!(clip_coefficient(100.0, 0.0), 1.0);
+    }
+}

@@ -170,11 +170,7 @@ pub fn matmul<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulat
         return;
     }
     let threads = gemm_threads();
-    let par = if threads > 1 && m * n * k >= 64 * 64 * 64 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let par = if threads > 1 && m * n * k >= 64 * 64 * 64 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: the asserts above bound every element the strides can reach inside the three
     // slices; `c` is borrowed mutably, so it cannot alias `a` or `b`.
     unsafe {

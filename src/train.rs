@@ -1,1 +1,214 @@
-//! placeholder
+//! The training loop: micro-steps with gradient accumulation, the global-batch loss, gradient
+//! reduction, clipping, the schedule and AdamW, and the logs of each step.
+//!
+//! Receives the resolved deck and the mesh; composes the model, the data loader and the
+//! optimiser. Data parallelism here is plain: gradients are SUM-reduced over the `batch`
+//! group once per optimiser step (bucketing, overlap and FSDP sharding belong to the
+//! data-parallel issue). Knows nothing of MPI beyond the `comm::Group` calls.
+
+use crate::config::{ActCkpt, Resolved};
+use crate::data::{open_source, Loader};
+use crate::mesh::Mesh;
+use crate::metrics::{flops_per_token, fmt_duration, MetricsCsv, PhaseTimes, StepRecord, TimingLog, PHASES};
+use crate::model::params::ModelParams;
+use crate::model::{Model, Tokens};
+use crate::optim::{clip_coefficient, global_grad_norm, lr_at, scale_grads, AdamW};
+use crate::real::{matmul, Mat, MatMut};
+use crate::say;
+use std::path::Path;
+use std::time::Instant;
+
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a finished run reports to its caller (tests read it; the console has printed it).
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    pub losses: Vec<f64>,
+    pub entropy_floor: Option<f64>,
+    pub final_params: ModelParams<f32>,
+    pub activation_bytes: usize,
+    pub mean_step_s: f64,
+}
+
+/// Measured f32 GEMM rate of this rank on its threads (FLOP/s): the MFU denominator when the
+/// deck gives no `[hardware] peak_flops_per_rank`. Best of a few 1024³ products.
+pub fn probe_gemm_flops() -> f64 {
+    let n = 1024;
+    let a = vec![1.0f32; n * n];
+    let b = vec![0.5f32; n * n];
+    let mut c = vec![0.0f32; n * n];
+    let mut best = f64::MAX;
+    for _ in 0..4 {
+        let t = Instant::now();
+        matmul(MatMut::rm(&mut c, n, n), Mat::rm(&a, n, n), Mat::rm(&b, n, n), false);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (n * n * n) as f64 / best
+}
+
+/// Threads for this rank: the deck's, or the node's cores shared among the node's ranks.
+pub fn threads_for_rank(requested: usize, ranks_on_node: usize) -> usize {
+    if requested > 0 {
+        return requested;
+    }
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    (cores / ranks_on_node.max(1)).max(1)
+}
+
+/// Trains for `[run] steps` optimiser steps and writes the run's logs under `out_dir`.
+pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, Error> {
+    let deck = &res.deck;
+    let (mcfg, tcfg, ocfg) = (&deck.model, &deck.train, &deck.optim);
+    let rank = mesh.world.rank();
+    let (s, mb, ga) = (tcfg.seq_len, tcfg.micro_batch, res.grad_accum);
+
+    // Model state.
+    let mut params: ModelParams<f32> = if deck.checkpoint.init_from.is_empty() {
+        ModelParams::init(mcfg, deck.run.seed)
+    } else {
+        let dir = Path::new(&deck.checkpoint.init_from);
+        crate::hf::check_config(dir, mcfg)?;
+        say!("init_from: {}", dir.display());
+        crate::hf::load_params(dir, mcfg)?
+    };
+    let mut grads = ModelParams::<f32>::zeros(mcfg);
+    let mut opt = AdamW::<f32>::new(mcfg, ocfg);
+    let mut model = Model::<f32>::new(mcfg, tcfg.activation_checkpointing);
+
+    // Data.
+    let source = open_source(&deck.data, mcfg.vocab_size, deck.run.seed)?;
+    let floor = source.entropy_floor(s);
+    say!("data: {}", source.describe());
+    if let Some(f) = floor {
+        say!("data: entropy floor {f:.4} nats/token (the best loss any model can reach)");
+    }
+    let dp_rank = mesh.coords.dp_rank(&res.layout);
+    let loader = Loader::new(&deck.data, source, s, mb, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed)?;
+
+    // Logs.
+    let mut metrics = if rank == 0 { Some(MetricsCsv::create(&out_dir.join("metrics.csv"))?) } else { None };
+    let mut timing = TimingLog::create(&out_dir.join("timing"), rank)?;
+    let peak = if deck.hardware.peak_flops_per_rank > 0.0 { deck.hardware.peak_flops_per_rank } else { probe_gemm_flops() };
+    let peak_src = if deck.hardware.peak_flops_per_rank > 0.0 { "[hardware] peak_flops_per_rank" } else { "measured f32 GEMM probe" };
+    let flops_tok = flops_per_token(mcfg, s);
+    say!(
+        "model: {} parameters ({} matmul), {:.3} GFLOP/token; MFU peak {:.1} GFLOP/s per rank ({peak_src})",
+        params.numel(),
+        crate::metrics::matmul_params(mcfg),
+        flops_tok / 1e9,
+        peak / 1e9
+    );
+    say!("{:>6} {:>12} {:>10} {:>9} {:>11} {:>6} {:>9} {:>8}", "step", "loss", "lr", "gnorm", "tok/s", "mfu", "elapsed", "eta");
+
+    let tokens_per_step = (res.global_batch * s) as f64;
+    let world = mesh.world.size() as f64;
+    let steps = deck.run.steps;
+    let mut losses = Vec::with_capacity(steps as usize);
+    let mut totals = PhaseTimes::default();
+    let run_start = Instant::now();
+    let positions: Vec<usize> = (0..s).collect();
+    let mut step_times = Vec::new();
+
+    for step in 0..steps {
+        let step_start = Instant::now();
+        let mut pt = PhaseTimes::default();
+        grads.fill_zero();
+        // Global number of target tokens, reduced before any backward (DESIGN.md: loss is the
+        // global sum over the global token count, exact for any layout and accumulation).
+        let mut n_tok = [(ga * mb * s) as f64];
+        mesh.batch.all_reduce_sum_f64(&mut n_tok);
+        let loss_scale = (1.0 / n_tok[0]) as f32;
+        let mut loss_sum = 0.0f64;
+        for micro in 0..ga {
+            let t0 = Instant::now();
+            let batch = loader.micro_batch(step, micro)?;
+            let t1 = Instant::now();
+            let tok = Tokens { inputs: &batch.inputs, targets: &batch.targets, positions: &positions, batch: mb, seq: s };
+            loss_sum += model.forward(&params, &tok);
+            let t2 = Instant::now();
+            model.backward(&params, &mut grads, loss_scale);
+            let t3 = Instant::now();
+            pt.0[0] += (t1 - t0).as_secs_f64();
+            pt.0[1] += (t2 - t1).as_secs_f64();
+            pt.0[2] += (t3 - t2).as_secs_f64();
+        }
+        let t_comm = Instant::now();
+        let mut loss_buf = [loss_sum];
+        mesh.batch.all_reduce_sum_f64(&mut loss_buf);
+        let loss = loss_buf[0] / n_tok[0];
+        for t in grads.tensors_mut() {
+            mesh.batch.all_reduce_sum_f32(t);
+        }
+        pt.0[3] += t_comm.elapsed().as_secs_f64();
+
+        let t_opt = Instant::now();
+        let grad_norm = global_grad_norm(&grads);
+        scale_grads(&mut grads, clip_coefficient(grad_norm, ocfg.grad_clip));
+        let lr = lr_at(ocfg, res.lr, step, steps);
+        opt.step(&mut params, &grads, lr);
+        pt.0[4] += t_opt.elapsed().as_secs_f64();
+
+        let step_s = step_start.elapsed().as_secs_f64();
+        step_times.push(step_s);
+        totals.add(&pt);
+        losses.push(loss);
+        let comm_bytes: u64 = mesh.groups().iter().flat_map(|g| g.take_counts().into_values()).map(|c| c.bytes).sum();
+        timing.append(step + 1, step_s, &pt, comm_bytes, model.activation_bytes())?;
+        let elapsed = run_start.elapsed().as_secs_f64();
+        let tps = tokens_per_step / step_s;
+        let rec = StepRecord {
+            step: step + 1,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_s: tps,
+            mfu: tps * flops_tok / (peak * world),
+            step_s,
+            elapsed_s: elapsed,
+        };
+        if let Some(m) = metrics.as_mut() {
+            m.append(&rec)?;
+        }
+        if (step + 1) % deck.log.every == 0 || step + 1 == steps {
+            let eta = elapsed / (step + 1) as f64 * (steps - step - 1) as f64;
+            say!(
+                "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>5.1}% {:>9} {:>8}",
+                step + 1,
+                loss,
+                lr,
+                grad_norm,
+                tps,
+                100.0 * rec.mfu,
+                fmt_duration(elapsed),
+                fmt_duration(eta)
+            );
+        }
+    }
+
+    // LAMMPS-style summary: each phase's min / avg / max across ranks and share of the total.
+    let total_s = run_start.elapsed().as_secs_f64();
+    say!("\nphase        min (s)    avg (s)    max (s)   %total");
+    for (i, name) in PHASES.iter().enumerate() {
+        let (lo, hi, sum) = mesh.world.min_max_sum_f64(totals.0[i]);
+        let avg = sum / world;
+        say!("{name:<10} {lo:>9.3} {avg:>10.3} {hi:>10.3} {:>8.1}", 100.0 * avg / total_s.max(1e-12));
+    }
+    let mut sorted = step_times.clone();
+    sorted.sort_by(|a, b| a.total_cmp(b));
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    say!("total {:.3} s, median step {:.4} s, {:.0} tokens/s", total_s, median, tokens_per_step / median.max(1e-12));
+    if let (Some(f), Some(last)) = (floor, losses.last()) {
+        say!("final loss {last:.4} vs entropy floor {f:.4} (gap {:.4})", last - f);
+    }
+    let act = model.activation_bytes();
+    if tcfg.activation_checkpointing == ActCkpt::Full {
+        say!("activation checkpointing: full ({:.1} MiB held)", act as f64 / 1048576.0);
+    }
+    Ok(RunSummary {
+        losses,
+        entropy_floor: floor,
+        final_params: params,
+        activation_bytes: act,
+        mean_step_s: step_times.iter().sum::<f64>() / step_times.len().max(1) as f64,
+    })
+}

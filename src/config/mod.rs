@@ -5,6 +5,7 @@
 //! constraint against the world size and derives the values other modules need (`Layout`,
 //! `grad_accum`, the scaled learning rate). Each component receives only its own table.
 //! Knows nothing of MPI, the model's numerics or files other than the deck itself.
+//! Every table, key, default, alias and rule is documented in `docs/input_deck.md`.
 
 mod keys;
 mod validate;
@@ -15,6 +16,9 @@ use std::path::{Path, PathBuf};
 pub use validate::{Layout, Resolved};
 
 /// A deck error: one line for people, naming the table, the key and the numbers.
+///
+/// `Display` writes the message, then `\nHINT: …` when a hint exists; the caller prefixes
+/// `error: `. Neither the message nor the hint contains a line break.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
     pub message: String,
@@ -245,12 +249,18 @@ pub struct DataCfg {
 
 impl Default for DataCfg {
     fn default() -> Self {
-        DataCfg { source: Source::Synthetic, path: String::new(), dataset: "tokens".into(), order: Order::Sequential, synthetic_branching: 4 }
+        DataCfg {
+            source: Source::Synthetic,
+            path: String::new(),
+            dataset: "tokens".into(),
+            order: Order::Sequential,
+            synthetic_branching: 4,
+        }
     }
 }
 
 /// `[checkpoint]`: where and how often checkpoints are written, and what to start from.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointCfg {
     /// Empty means `<out_dir>/ckpt`.
@@ -263,12 +273,6 @@ pub struct CheckpointCfg {
     pub resume: String,
     /// A Hugging Face model folder (`config.json` + `model.safetensors`) to initialise from.
     pub init_from: String,
-}
-
-impl Default for CheckpointCfg {
-    fn default() -> Self {
-        CheckpointCfg { dir: String::new(), every: 0, keep: 0, resume: String::new(), init_from: String::new() }
-    }
 }
 
 /// `[log]`: how often rank 0 prints a line.
@@ -316,9 +320,9 @@ pub struct Deck {
 impl Deck {
     /// Reads a deck file and applies `table.key=value` overrides.
     pub fn from_file(path: &Path, overrides: &[String]) -> Result<Deck, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::new(format!("cannot read deck {}: {e}", path.display())))?;
-        Deck::from_str_with(&text, overrides).map_err(|e| ConfigError { message: format!("{}: {}", path.display(), e.message), hint: e.hint })
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::new(format!("cannot read deck {}: {e}", path.display())))?;
+        Deck::from_str_with(&text, overrides)
+            .map_err(|e| ConfigError { message: format!("{}: {}", path.display(), e.message), hint: e.hint })
     }
 
     /// Parses deck text and applies `table.key=value` overrides.

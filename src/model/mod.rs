@@ -1,2 +1,409 @@
-//! The Llama-style decoder written as one-rank maths: parameters, kernels, forward and backward.
+//! The Llama-style decoder written as one-rank maths: parameters, kernels, forward, backward.
+//!
+//! `Model<T>` owns the activations of one micro-batch; the weights (`ModelParams`) are passed
+//! in, so a parallel strategy decides where they come from (local, gathered, sharded) without
+//! this module knowing. Forward and backward are hand-written (llm.c style), side by side per
+//! block. Activation checkpointing ("full") keeps only each block's input and recomputes the
+//! block in backward with the same code, so its results are bit-identical.
+//!
+//! Legend: `B` micro-batch, `S` sequence, `N = B·S` tokens, `D` width, `H` query heads,
+//! `KV` kv heads, `hd` head dim, `F` ffn hidden, `V` vocab.
+
+pub mod attention;
+pub mod kernels;
 pub mod params;
+
+use crate::config::{ActCkpt, ModelCfg};
+use crate::real::{linear_bwd_input, linear_bwd_weight, linear_fwd, Real};
+use attention::{attention_bwd, attention_fwd, AttnDims};
+use kernels::*;
+use params::{LayerParams, ModelParams};
+
+/// The tokens of one micro-batch.
+#[derive(Clone, Copy, Debug)]
+pub struct Tokens<'a> {
+    pub inputs: &'a [u32],      // [B*S]
+    pub targets: &'a [u32],     // [B*S]
+    pub positions: &'a [usize], // [S] global positions of this rank's tokens
+    pub batch: usize,
+    pub seq: usize,
+}
+
+/// What one block keeps from forward for backward.
+#[derive(Default)]
+struct BlockActs<T> {
+    x: Vec<T>,       // [N, D] block input
+    rstd1: Vec<T>,   // [N]
+    xn1: Vec<T>,     // [N, D]
+    q: Vec<T>,       // [B, H, S, hd] after RoPE
+    k: Vec<T>,       // [B, KV, S, hd] after RoPE
+    v: Vec<T>,       // [B, KV, S, hd]
+    att: Vec<T>,     // [B, H, S, hd] attention output, head-major
+    lse: Vec<T>,     // [B, H, S]
+    att_tok: Vec<T>, // [N, H*hd] attention output, token-major (o_proj input)
+    x1: Vec<T>,      // [N, D] after the attention residual
+    rstd2: Vec<T>,   // [N]
+    xn2: Vec<T>,     // [N, D]
+    gate: Vec<T>,    // [N, F]
+    up: Vec<T>,      // [N, F]
+    h: Vec<T>,       // [N, F] silu(gate)·up
+}
+
+impl<T: Real> BlockActs<T> {
+    fn alloc(cfg: &ModelCfg, n: usize, input_only: bool) -> Self {
+        let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let z = |len: usize| vec![T::ZERO; len];
+        if input_only {
+            return BlockActs { x: z(n * d), ..Default::default() };
+        }
+        BlockActs {
+            x: z(n * d),
+            rstd1: z(n),
+            xn1: z(n * d),
+            q: z(n * qd),
+            k: z(n * kvd),
+            v: z(n * kvd),
+            att: z(n * qd),
+            lse: z(n * cfg.n_heads),
+            att_tok: z(n * qd),
+            x1: z(n * d),
+            rstd2: z(n),
+            xn2: z(n * d),
+            gate: z(n * f),
+            up: z(n * f),
+            h: z(n * f),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        let v = [
+            &self.x,
+            &self.rstd1,
+            &self.xn1,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.lse,
+            &self.att_tok,
+            &self.x1,
+            &self.rstd2,
+            &self.xn2,
+            &self.gate,
+            &self.up,
+            &self.h,
+        ];
+        v.iter().map(|t| t.len()).sum::<usize>() * std::mem::size_of::<T>()
+    }
+}
+
+/// Gradient buffers of one block's backward, reused across layers.
+#[derive(Default)]
+struct BlockGrads<T> {
+    dx1: Vec<T>,     // [N, D]
+    dxn: Vec<T>,     // [N, D]
+    dh: Vec<T>,      // [N, F]
+    dgate: Vec<T>,   // [N, F]
+    dup: Vec<T>,     // [N, F]
+    d_tok: Vec<T>,   // [N, H*hd] token-major gradient (att_tok, then q)
+    dkv_tok: Vec<T>, // [N, KV*hd]
+    datt: Vec<T>,    // [B, H, S, hd]
+    dq: Vec<T>,      // [B, H, S, hd]
+    dk: Vec<T>,      // [B, KV, S, hd]
+    dv: Vec<T>,      // [B, KV, S, hd]
+    // Projection outputs before the head-major transpose (forward scratch).
+    q_tok: Vec<T>,  // [N, H*hd]
+    kv_tok: Vec<T>, // [N, KV*hd]
+}
+
+impl<T: Real> BlockGrads<T> {
+    fn alloc(cfg: &ModelCfg, n: usize) -> Self {
+        let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let z = |len: usize| vec![T::ZERO; len];
+        BlockGrads {
+            dx1: z(n * d),
+            dxn: z(n * d),
+            dh: z(n * f),
+            dgate: z(n * f),
+            dup: z(n * f),
+            d_tok: z(n * qd),
+            dkv_tok: z(n * kvd),
+            datt: z(n * qd),
+            dq: z(n * qd),
+            dk: z(n * kvd),
+            dv: z(n * kvd),
+            q_tok: z(n * qd),
+            kv_tok: z(n * kvd),
+        }
+    }
+}
+
+/// The decoder and the activations of its last forward.
+pub struct Model<T> {
+    cfg: ModelCfg,
+    ckpt: ActCkpt,
+    /// (B, S) the buffers are sized for.
+    dims: (usize, usize),
+    positions: Vec<usize>,
+    targets: Vec<u32>,
+    inputs: Vec<u32>,
+    rope_cos: Vec<T>, // [S, hd/2]
+    rope_sin: Vec<T>, // [S, hd/2]
+    /// Per layer: every activation (`none`) or only the block input (`full`).
+    saved: Vec<BlockActs<T>>,
+    /// With `full`: one block's activations, recomputed in backward.
+    scratch: BlockActs<T>,
+    grads: BlockGrads<T>,
+    x_final: Vec<T>, // [N, D] output of the last block
+    rstd_f: Vec<T>,  // [N]
+    xf: Vec<T>,      // [N, D] after the final norm
+    logits: Vec<T>,  // [N, V]; dlogits in place after backward
+    lse_ce: Vec<T>,  // [N] log-sum-exp of each logits row
+    dx: Vec<T>,      // [N, D] gradient of the residual stream
+}
+
+impl<T: Real> Model<T> {
+    pub fn new(cfg: &ModelCfg, ckpt: ActCkpt) -> Self {
+        Model {
+            cfg: cfg.clone(),
+            ckpt,
+            dims: (0, 0),
+            positions: vec![],
+            targets: vec![],
+            inputs: vec![],
+            rope_cos: vec![],
+            rope_sin: vec![],
+            saved: vec![],
+            scratch: BlockActs::default(),
+            grads: BlockGrads::default(),
+            x_final: vec![],
+            rstd_f: vec![],
+            xf: vec![],
+            logits: vec![],
+            lse_ce: vec![],
+            dx: vec![],
+        }
+    }
+
+    fn ensure_buffers(&mut self, b: usize, s: usize) {
+        if self.dims == (b, s) {
+            return;
+        }
+        let n = b * s;
+        let (d, v) = (self.cfg.d_model, self.cfg.vocab_size);
+        let input_only = self.ckpt == ActCkpt::Full;
+        self.saved = (0..self.cfg.n_layers).map(|_| BlockActs::alloc(&self.cfg, n, input_only)).collect();
+        self.scratch = if input_only { BlockActs::alloc(&self.cfg, n, false) } else { BlockActs::default() };
+        self.grads = BlockGrads::alloc(&self.cfg, n);
+        self.x_final = vec![T::ZERO; n * d];
+        self.rstd_f = vec![T::ZERO; n];
+        self.xf = vec![T::ZERO; n * d];
+        self.logits = vec![T::ZERO; n * v];
+        self.lse_ce = vec![T::ZERO; n];
+        self.dx = vec![T::ZERO; n * d];
+        self.dims = (b, s);
+    }
+
+    /// Bytes of activation memory this model holds between forward and backward (saved
+    /// activations, recompute scratch, logits); the backward's gradient buffers are excluded.
+    pub fn activation_bytes(&self) -> usize {
+        let per = |v: &Vec<T>| v.len() * std::mem::size_of::<T>();
+        self.saved.iter().map(|a| a.bytes()).sum::<usize>()
+            + self.scratch.bytes()
+            + per(&self.x_final)
+            + per(&self.rstd_f)
+            + per(&self.xf)
+            + per(&self.logits)
+            + per(&self.lse_ce)
+    }
+
+    /// Logits `[N, V]` of the last forward (before backward overwrites them).
+    pub fn logits(&self) -> &[T] {
+        &self.logits
+    }
+
+    /// Forward of one micro-batch. Returns the SUM over its tokens of the cross-entropy loss.
+    pub fn forward(&mut self, params: &ModelParams<T>, tok: &Tokens) -> f64 {
+        let (b, s) = (tok.batch, tok.seq);
+        assert_eq!(tok.inputs.len(), b * s, "inputs must be [B*S]");
+        assert_eq!(tok.targets.len(), b * s, "targets must be [B*S]");
+        assert_eq!(tok.positions.len(), s, "positions must be [S]");
+        self.ensure_buffers(b, s);
+        if self.positions != tok.positions {
+            let (c, sn) = rope_tables(tok.positions, self.cfg.head_dim(), self.cfg.rope_theta);
+            self.rope_cos = c;
+            self.rope_sin = sn;
+            self.positions = tok.positions.to_vec();
+        }
+        self.inputs.clear();
+        self.inputs.extend_from_slice(tok.inputs);
+        self.targets.clear();
+        self.targets.extend_from_slice(tok.targets);
+        let (d, v, nl) = (self.cfg.d_model, self.cfg.vocab_size, self.cfg.n_layers);
+        let ctx = BlockCtx { cfg: &self.cfg, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s };
+
+        // Embedding: x[n] = E[token[n]].
+        let x0 = if nl > 0 { &mut self.saved[0].x } else { &mut self.x_final };
+        for (row, &t) in x0.chunks_mut(d).zip(tok.inputs) {
+            row.copy_from_slice(&params.embed_tokens[t as usize * d..][..d]);
+        }
+        for l in 0..nl {
+            let (saved_l, rest) = self.saved[l..].split_first_mut().expect("layer exists");
+            let acts = if self.ckpt == ActCkpt::Full {
+                self.scratch.x.copy_from_slice(&saved_l.x);
+                &mut self.scratch
+            } else {
+                saved_l
+            };
+            let out = match rest.first_mut() {
+                Some(next) => &mut next.x,
+                None => &mut self.x_final,
+            };
+            block_fwd(&ctx, &params.layers[l], acts, &mut self.grads, out);
+        }
+        // Final norm, output projection, loss.
+        rmsnorm_fwd(&mut self.xf, &mut self.rstd_f, &self.x_final, &params.norm, d, self.cfg.norm_eps);
+        linear_fwd(&mut self.logits, &self.xf, params.output_weight(), b * s, v, d, false);
+        cross_entropy_fwd(&mut self.lse_ce, &self.logits, &self.targets, v)
+    }
+
+    /// Backward of the last forward, with `dloss/dloss_token = loss_scale` for every token
+    /// (1 / the global number of target tokens). ACCUMULATES (`+=`) into `grads`.
+    pub fn backward(&mut self, params: &ModelParams<T>, grads: &mut ModelParams<T>, loss_scale: T) {
+        let (b, s) = self.dims;
+        let n = b * s;
+        let (d, v, nl) = (self.cfg.d_model, self.cfg.vocab_size, self.cfg.n_layers);
+        let ctx = BlockCtx { cfg: &self.cfg, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s };
+
+        // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V].
+        cross_entropy_bwd_inplace(&mut self.logits, &self.lse_ce, &self.targets, v, loss_scale);
+        {
+            let dw_out = match grads.lm_head.as_mut() {
+                Some(h) => h,
+                None => &mut grads.embed_tokens,
+            };
+            linear_bwd_weight(dw_out, &self.logits, &self.xf, n, v, d, true);
+        }
+        let mut dxf = std::mem::take(&mut self.grads.dxn); // [N, D]
+        linear_bwd_input(&mut dxf, &self.logits, params.output_weight(), n, v, d, false);
+        rmsnorm_bwd(&mut self.dx, &mut grads.norm, &dxf, &self.x_final, &params.norm, &self.rstd_f, d, false);
+        self.grads.dxn = dxf;
+
+        for l in (0..nl).rev() {
+            let acts = if self.ckpt == ActCkpt::Full {
+                // Recompute the block from its saved input, with the forward's own code.
+                self.scratch.x.copy_from_slice(&self.saved[l].x);
+                let mut out = std::mem::take(&mut self.grads.dx1);
+                block_fwd(&ctx, &params.layers[l], &mut self.scratch, &mut self.grads, &mut out);
+                self.grads.dx1 = out;
+                &self.scratch
+            } else {
+                &self.saved[l]
+            };
+            // dx: gradient w.r.t. the block output in, w.r.t. the block input out.
+            block_bwd(&ctx, &params.layers[l], &mut grads.layers[l], acts, &mut self.grads, &mut self.dx);
+        }
+        // Embedding: dE[token[n]] += dx[n].
+        for (row, &t) in self.dx.chunks(d).zip(&self.inputs) {
+            for (g, &x) in grads.embed_tokens[t as usize * d..][..d].iter_mut().zip(row) {
+                *g += x;
+            }
+        }
+    }
+}
+
+/// What every block of one micro-batch shares.
+struct BlockCtx<'a, T> {
+    cfg: &'a ModelCfg,
+    cos: &'a [T], // [S, hd/2]
+    sin: &'a [T], // [S, hd/2]
+    pos: &'a [usize],
+    b: usize,
+    s: usize,
+}
+
+impl<T> BlockCtx<'_, T> {
+    fn attn_dims(&self) -> AttnDims {
+        AttnDims { b: self.b, h: self.cfg.n_heads, kv: self.cfg.n_kv_heads, sq: self.s, sk: self.s, hd: self.cfg.head_dim() }
+    }
+}
+
+/// One decoder block forward: `x1 = x + o(attn(rope(q(n1(x))), rope(k(..)), v(..)))`,
+/// `out = x1 + down(silu(gate(n2(x1))) · up(n2(x1)))`. Fills `a` (its `x` is the input) and
+/// overwrites `out [N, D]`; `g` lends its projection scratch.
+fn block_fwd<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T>, g: &mut BlockGrads<T>, out: &mut [T]) {
+    let cfg = ctx.cfg;
+    let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
+    let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
+    let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+    let rope = Some((ctx.cos, ctx.sin));
+
+    rmsnorm_fwd(&mut a.xn1, &mut a.rstd1, &a.x, &w.input_layernorm, d, cfg.norm_eps);
+    linear_fwd(&mut g.q_tok, &a.xn1, &w.q_proj, n, nh * hd, d, false);
+    to_heads_rope(&mut a.q, &g.q_tok, b, s, nh, hd, rope);
+    linear_fwd(&mut g.kv_tok, &a.xn1, &w.k_proj, n, nkv * hd, d, false);
+    to_heads_rope(&mut a.k, &g.kv_tok, b, s, nkv, hd, rope);
+    linear_fwd(&mut g.kv_tok, &a.xn1, &w.v_proj, n, nkv * hd, d, false);
+    to_heads_rope(&mut a.v, &g.kv_tok, b, s, nkv, hd, None);
+    attention_fwd(&mut a.att, &mut a.lse, &a.q, &a.k, &a.v, ctx.pos, ctx.pos, ctx.attn_dims());
+    from_heads_rope(&mut a.att_tok, &a.att, b, s, nh, hd, None);
+    linear_fwd(&mut a.x1, &a.att_tok, &w.o_proj, n, d, nh * hd, false);
+    add_assign(&mut a.x1, &a.x);
+
+    rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, cfg.norm_eps);
+    linear_fwd(&mut a.gate, &a.xn2, &w.gate_proj, n, f, d, false);
+    linear_fwd(&mut a.up, &a.xn2, &w.up_proj, n, f, d, false);
+    swiglu_fwd(&mut a.h, &a.gate, &a.up);
+    linear_fwd(out, &a.h, &w.down_proj, n, d, f, false);
+    add_assign(out, &a.x1);
+}
+
+/// One decoder block backward. `dx` holds the gradient of the block output on entry and of
+/// the block input on exit; weight gradients ACCUMULATE (`+=`) into `dw`.
+fn block_bwd<T: Real>(
+    ctx: &BlockCtx<T>,
+    w: &LayerParams<T>,
+    dw: &mut LayerParams<T>,
+    a: &BlockActs<T>,
+    g: &mut BlockGrads<T>,
+    dx: &mut [T],
+) {
+    let cfg = ctx.cfg;
+    let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
+    let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
+    let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+    let rope = Some((ctx.cos, ctx.sin));
+
+    // MLP: out = x1 + down(h).
+    linear_bwd_weight(&mut dw.down_proj, dx, &a.h, n, d, f, true);
+    linear_bwd_input(&mut g.dh, dx, &w.down_proj, n, d, f, false);
+    swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
+    linear_bwd_weight(&mut dw.gate_proj, &g.dgate, &a.xn2, n, f, d, true);
+    linear_bwd_weight(&mut dw.up_proj, &g.dup, &a.xn2, n, f, d, true);
+    linear_bwd_input(&mut g.dxn, &g.dgate, &w.gate_proj, n, f, d, false);
+    linear_bwd_input(&mut g.dxn, &g.dup, &w.up_proj, n, f, d, true);
+    // dx1 = dout (residual) + norm2 backward.
+    g.dx1.copy_from_slice(dx);
+    rmsnorm_bwd(&mut g.dx1, &mut dw.post_attention_layernorm, &g.dxn, &a.x1, &w.post_attention_layernorm, &a.rstd2, d, true);
+
+    // Attention: x1 = x + o(att_tok).
+    linear_bwd_weight(&mut dw.o_proj, &g.dx1, &a.att_tok, n, d, nh * hd, true);
+    linear_bwd_input(&mut g.d_tok, &g.dx1, &w.o_proj, n, d, nh * hd, false);
+    to_heads_rope(&mut g.datt, &g.d_tok, b, s, nh, hd, None);
+    attention_bwd(&mut g.dq, &mut g.dk, &mut g.dv, &g.datt, &a.q, &a.k, &a.v, &a.att, &a.lse, ctx.pos, ctx.pos, ctx.attn_dims());
+    // Projections: q, k, v = xn1 · W{q,k,v}ᵀ (RoPE on q and k undone by its transpose).
+    from_heads_rope(&mut g.d_tok, &g.dq, b, s, nh, hd, rope);
+    linear_bwd_weight(&mut dw.q_proj, &g.d_tok, &a.xn1, n, nh * hd, d, true);
+    linear_bwd_input(&mut g.dxn, &g.d_tok, &w.q_proj, n, nh * hd, d, false);
+    from_heads_rope(&mut g.dkv_tok, &g.dk, b, s, nkv, hd, rope);
+    linear_bwd_weight(&mut dw.k_proj, &g.dkv_tok, &a.xn1, n, nkv * hd, d, true);
+    linear_bwd_input(&mut g.dxn, &g.dkv_tok, &w.k_proj, n, nkv * hd, d, true);
+    from_heads_rope(&mut g.dkv_tok, &g.dv, b, s, nkv, hd, None);
+    linear_bwd_weight(&mut dw.v_proj, &g.dkv_tok, &a.xn1, n, nkv * hd, d, true);
+    linear_bwd_input(&mut g.dxn, &g.dkv_tok, &w.v_proj, n, nkv * hd, d, true);
+    // dx = dx1 (residual) + norm1 backward.
+    dx.copy_from_slice(&g.dx1);
+    rmsnorm_bwd(dx, &mut dw.input_layernorm, &g.dxn, &a.x, &w.input_layernorm, &a.rstd1, d, true);
+}

@@ -1,0 +1,163 @@
+//! Causal grouped-query attention, flash-style: the forward keeps only the output and each
+//! row's log-sum-exp; the backward recomputes the probabilities from them.
+//!
+//! Legend: `B` micro-batch, `H` query heads, `KV` key/value heads (`H % KV == 0`, query head
+//! `h` reads kv head `h / (H/KV)`), `Sq`/`Sk` query/key lengths, `hd` head dim, `QB` query
+//! rows per block. Tensors are head-major: `q [B, H, Sq, hd]`, `k, v [B, KV, Sk, hd]`.
+//! Causality is by global position (`k_pos[j] > q_pos[i]` is masked), so the same code serves
+//! a rank that holds a non-contiguous piece of the sequence. Scores of one query block at a
+//! time live in a `[QB, Sk]` scratch: no `[S, S]` matrix is ever held.
+//! Knows nothing of projections, RoPE or parallelism.
+
+use crate::real::{matmul, Mat, MatMut, Real};
+use rayon::prelude::*;
+
+/// Query rows per block: the scratch is `QB × Sk` per task.
+const QB: usize = 64;
+
+/// Sizes of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub b: usize,
+    pub h: usize,
+    pub kv: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub hd: usize,
+}
+
+/// How many leading keys a block of queries can see: with ascending key positions, the keys
+/// at or before the block's last position; otherwise all (masking handles the rest).
+fn key_limit(k_pos: &[usize], k_sorted: bool, q_pos_block: &[usize]) -> usize {
+    if !k_sorted {
+        return k_pos.len();
+    }
+    let last = q_pos_block.iter().copied().max().unwrap_or(0);
+    k_pos.partition_point(|&p| p <= last)
+}
+
+/// Attention forward. Overwrites `o [B, H, Sq, hd]` and `lse [B, H, Sq]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd<T: Real>(o: &mut [T], lse: &mut [T], q: &[T], k: &[T], v: &[T], q_pos: &[usize], k_pos: &[usize], dm: AttnDims) {
+    let AttnDims { h, kv, sq, sk, hd, .. } = dm;
+    let rep = h / kv;
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    let k_sorted = k_pos.windows(2).all(|w| w[0] <= w[1]);
+    o.par_chunks_mut(rep * sq * hd).zip(lse.par_chunks_mut(rep * sq)).enumerate().for_each(|(bg, (o_g, lse_g))| {
+        let kg = &k[bg * sk * hd..][..sk * hd]; // [Sk, hd]
+        let vg = &v[bg * sk * hd..][..sk * hd]; // [Sk, hd]
+        let qg = &q[bg * rep * sq * hd..][..rep * sq * hd]; // [rep, Sq, hd]
+        let mut scores = vec![T::ZERO; QB * sk]; // [QB, Sk]
+        for j in 0..rep {
+            for i0 in (0..sq).step_by(QB) {
+                let qb = QB.min(sq - i0);
+                let nk = key_limit(k_pos, k_sorted, &q_pos[i0..i0 + qb]);
+                let q_blk = &qg[(j * sq + i0) * hd..][..qb * hd];
+                let o_blk = &mut o_g[(j * sq + i0) * hd..][..qb * hd];
+                let lse_blk = &mut lse_g[j * sq + i0..][..qb];
+                if nk == 0 {
+                    // No visible key (cannot happen for causal self-attention on one rank).
+                    o_blk.iter_mut().for_each(|x| *x = T::ZERO);
+                    lse_blk.iter_mut().for_each(|x| *x = T::NEG_INFINITY);
+                    continue;
+                }
+                let s_blk = &mut scores[..qb * nk];
+                matmul(MatMut::rm(s_blk, qb, nk), Mat::rm(q_blk, qb, hd), Mat::rm(&kg[..nk * hd], nk, hd).t(), false);
+                for (r, row) in s_blk.chunks_mut(nk).enumerate() {
+                    let qp = q_pos[i0 + r];
+                    let mut m = T::NEG_INFINITY;
+                    for (c, x) in row.iter_mut().enumerate() {
+                        if k_pos[c] > qp {
+                            *x = T::NEG_INFINITY;
+                        } else {
+                            *x *= scale;
+                            m = m.max(*x);
+                        }
+                    }
+                    let mut sum = T::ZERO;
+                    for x in row.iter_mut() {
+                        *x = if *x == T::NEG_INFINITY { T::ZERO } else { (*x - m).exp() };
+                        sum += *x;
+                    }
+                    let inv = T::ONE / sum;
+                    row.iter_mut().for_each(|x| *x *= inv);
+                    lse_blk[r] = m + sum.ln();
+                }
+                matmul(MatMut::rm(o_blk, qb, hd), Mat::rm(s_blk, qb, nk), Mat::rm(&vg[..nk * hd], nk, hd), false);
+            }
+        }
+    });
+}
+
+/// Attention backward. Overwrites `dq [B, H, Sq, hd]`, `dk, dv [B, KV, Sk, hd]`.
+///
+/// With `P = exp(scale·q·kᵀ − lse)`: `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P∘(dP − rowsum(dO∘O))`,
+/// `dQ = scale·dS·K`, `dK = scale·dSᵀ·Q`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd<T: Real>(
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+    d_o: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[T],
+    q_pos: &[usize],
+    k_pos: &[usize],
+    dm: AttnDims,
+) {
+    let AttnDims { h, kv, sq, sk, hd, .. } = dm;
+    let rep = h / kv;
+    let scale = T::from_f64(1.0 / (hd as f64).sqrt());
+    let k_sorted = k_pos.windows(2).all(|w| w[0] <= w[1]);
+    dq.par_chunks_mut(rep * sq * hd).zip(dk.par_chunks_mut(sk * hd)).zip(dv.par_chunks_mut(sk * hd)).enumerate().for_each(
+        |(bg, ((dq_g, dk_g), dv_g))| {
+            dk_g.iter_mut().for_each(|x| *x = T::ZERO);
+            dv_g.iter_mut().for_each(|x| *x = T::ZERO);
+            let kg = &k[bg * sk * hd..][..sk * hd];
+            let vg = &v[bg * sk * hd..][..sk * hd];
+            let base = bg * rep * sq;
+            let mut p = vec![T::ZERO; QB * sk];
+            let mut dp = vec![T::ZERO; QB * sk];
+            for j in 0..rep {
+                for i0 in (0..sq).step_by(QB) {
+                    let qb = QB.min(sq - i0);
+                    let nk = key_limit(k_pos, k_sorted, &q_pos[i0..i0 + qb]);
+                    let row0 = base + j * sq + i0;
+                    let q_blk = &q[row0 * hd..][..qb * hd];
+                    let o_blk = &o[row0 * hd..][..qb * hd];
+                    let do_blk = &d_o[row0 * hd..][..qb * hd];
+                    let lse_blk = &lse[row0..][..qb];
+                    let dq_blk = &mut dq_g[(j * sq + i0) * hd..][..qb * hd];
+                    if nk == 0 {
+                        dq_blk.iter_mut().for_each(|x| *x = T::ZERO);
+                        continue;
+                    }
+                    let p_blk = &mut p[..qb * nk];
+                    let dp_blk = &mut dp[..qb * nk];
+                    let (k_vis, v_vis) = (Mat::rm(&kg[..nk * hd], nk, hd), Mat::rm(&vg[..nk * hd], nk, hd));
+                    matmul(MatMut::rm(p_blk, qb, nk), Mat::rm(q_blk, qb, hd), k_vis.t(), false);
+                    matmul(MatMut::rm(dp_blk, qb, nk), Mat::rm(do_blk, qb, hd), v_vis.t(), false);
+                    for r in 0..qb {
+                        let qp = q_pos[i0 + r];
+                        let l = lse_blk[r];
+                        let d_r: T = (0..hd).map(|c| do_blk[r * hd + c] * o_blk[r * hd + c]).sum();
+                        let (prow, dprow) = (&mut p_blk[r * nk..][..nk], &mut dp_blk[r * nk..][..nk]);
+                        for c in 0..nk {
+                            let pv = if k_pos[c] > qp { T::ZERO } else { (prow[c] * scale - l).exp() };
+                            prow[c] = pv;
+                            // dp now holds scale·dS, the gradient of the raw q·kᵀ product.
+                            dprow[c] = pv * (dprow[c] - d_r) * scale;
+                        }
+                    }
+                    // dV += Pᵀ·dO ; dQ = dS·K ; dK += dSᵀ·Q
+                    matmul(MatMut::rm(&mut dv_g[..nk * hd], nk, hd), Mat::rm(p_blk, qb, nk).t(), Mat::rm(do_blk, qb, hd), true);
+                    matmul(MatMut::rm(dq_blk, qb, hd), Mat::rm(dp_blk, qb, nk), k_vis, false);
+                    matmul(MatMut::rm(&mut dk_g[..nk * hd], nk, hd), Mat::rm(dp_blk, qb, nk).t(), Mat::rm(q_blk, qb, hd), true);
+                }
+            }
+        },
+    );
+}
