@@ -90,7 +90,7 @@ pub fn main() -> i32 {
                     0
                 }
                 Err(e) => {
-                    eprintln!("error: {e}");
+                    report_error(&e);
                     EXIT_RUN_FAILED
                 }
             }
@@ -102,7 +102,7 @@ fn run_plan(deck: PathBuf, ranks: usize, set: Vec<String>) -> i32 {
     let res = match Deck::from_file(&deck, &set).and_then(|d| d.resolve(ranks)) {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("error: {e}");
+            report_error(&e);
             return EXIT_BAD_INPUT;
         }
     };
@@ -129,13 +129,13 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         Ok(r) => r,
         Err(e) => {
             // Every rank parsed the same deck: all fail here, none is in a collective.
-            eprintln!("error: {e}");
+            report_error(&e);
             drop(world);
             rt.finalize_and_exit(EXIT_BAD_INPUT);
         }
     };
     if let Err(e) = check_supported(&res) {
-        eprintln!("error: {e}");
+        report_error(&e);
         drop(world);
         rt.finalize_and_exit(EXIT_BAD_INPUT);
     }
@@ -150,11 +150,23 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
     for line in &res.summary {
         say!("{line}");
     }
-    let deck_text = res.deck.to_toml();
+    let deck_text = format!(
+        "# Resolved by ndtrain {} for {} ranks: layout dp_replicate={} dp_shard={} cp={} tp={}, grad_accum={}, global_batch={}, peak lr={:e}\n{}",
+        env!("CARGO_PKG_VERSION"),
+        mesh.world.size(),
+        res.layout.dp_replicate,
+        res.layout.dp_shard,
+        res.layout.cp,
+        res.layout.tp,
+        res.grad_accum,
+        res.global_batch,
+        res.lr,
+        res.deck.to_toml()
+    );
     say!("--- resolved deck ---\n{}---", deck_text);
     if mesh.world.rank() == 0 {
         if let Err(e) = std::fs::create_dir_all(&out_dir).and_then(|_| std::fs::write(out_dir.join("deck.toml"), &deck_text)) {
-            eprintln!("error: rank 0: cannot write to {}: {e}", out_dir.display());
+            report_error(&format!("rank 0: cannot write to {}: {e}", out_dir.display()));
             comm::abort(EXIT_RUN_FAILED);
         }
     }
@@ -165,7 +177,7 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
             rt.finalize_and_exit(0)
         }
         Err(e) => {
-            eprintln!("error: rank {}: {e}", mesh.world.rank());
+            report_error(&format!("rank {}: {e}", mesh.world.rank()));
             comm::abort(EXIT_RUN_FAILED)
         }
     }
@@ -185,4 +197,11 @@ fn check_supported(res: &crate::config::Resolved) -> Result<(), String> {
         return Err("[checkpoint] every/resume: writing and resuming checkpoints is not implemented yet (init_from works)".into());
     }
     Ok(())
+}
+
+/// Prints `error: MESSAGE` as one write, so the lines of several ranks never interleave.
+fn report_error(e: &dyn std::fmt::Display) {
+    use std::io::Write;
+    let line = format!("error: {e}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }

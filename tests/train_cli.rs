@@ -68,3 +68,31 @@ fn data_parallel_two_ranks_matches_one_rank() {
         assert!((a - b).abs() < DP_LOSS_TOL, "step {}: one rank {a} vs DP=2 {b}", s + 1);
     }
 }
+
+/// `[checkpoint] init_from` starts the binary from a Hugging Face folder (the numerics of the
+/// import are checked against PyTorch in `tests/reference.rs`; this checks the deck path end to
+/// end), and a deck whose `[model]` disagrees with `config.json` is refused.
+#[test]
+fn init_from_hugging_face_folder_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let hf = repo().join("tests/reference/data/untied");
+    let init = format!("checkpoint.init_from=\"{}\"", hf.display());
+    let sets = [
+        init.as_str(),
+        "model.vocab_size=100",
+        "model.d_model=64",
+        "model.n_heads=4",
+        "model.n_kv_heads=2",
+        "model.ffn_hidden=160",
+        "model.max_seq_len=64",
+        "run.steps=3",
+        "optim.warmup_steps=0",
+    ];
+    let (_, l) = train_losses(dir.path(), "hf", &tiny_deck(), None, &sets);
+    assert_eq!(l.len(), 3);
+    assert!(l.iter().all(|x| x.is_finite()));
+    // A mismatched deck is refused, naming the Hugging Face key.
+    let o = run_single(&["train", tiny_deck().to_str().unwrap(), "--set", &init]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("vocab_size"), "{}", text(&o));
+}

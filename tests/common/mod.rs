@@ -69,3 +69,21 @@ pub fn train_losses(dir: &Path, name: &str, deck: &Path, ranks: Option<usize>, s
     assert!(o.status.success(), "{name}: {}", text(&o));
     losses(&out)
 }
+
+/// Runs `cmd` and kills it if it has not finished within `secs` (a hang is a test failure,
+/// not a stuck suite). Returns the output and whether it timed out.
+pub fn output_within(cmd: &mut Command, secs: u64) -> (Output, bool) {
+    use std::process::Stdio;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("process starts");
+    let start = std::time::Instant::now();
+    let mut timed_out = false;
+    while child.try_wait().expect("wait works").is_none() {
+        if start.elapsed().as_secs() >= secs {
+            let _ = child.kill();
+            timed_out = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    (child.wait_with_output().expect("output collected"), timed_out)
+}

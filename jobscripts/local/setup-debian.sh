@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the system packages ndtrain builds against on Debian 12 / Ubuntu 22.04 or newer:
+# Open MPI, parallel HDF5 (Open MPI flavour), libclang (rsmpi generates its MPI bindings)
+# and pkg-config. Rust (>= 1.85, with rustfmt and clippy) must already be installed.
+set -euo pipefail
+
+PACKAGES="${PACKAGES:-openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools libclang-dev pkg-config build-essential}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+echo "+ apt-get install -y $PACKAGES"
+$SUDO apt-get update -q
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q $PACKAGES
+
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "error: cargo not found: install Rust >= 1.85 with rustup (components rustfmt, clippy), then rerun" >&2
+    exit 1
+fi
+cargo --version

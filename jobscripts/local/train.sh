@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs ndtrain on this machine under mpirun.
+#   jobscripts/local/train.sh DECK [--set table.key=value ...]
+#   NRANKS=4 jobscripts/local/train.sh inputs/tiny.toml --set parallel.dp_replicate=4
+set -euo pipefail
+
+NRANKS="${NRANKS:-1}"
+NDTRAIN="${NDTRAIN:-target/release/ndtrain}"
+MPIRUN="${MPIRUN:-mpirun}"
+MPIRUN_ARGS="${MPIRUN_ARGS:---oversubscribe}"
+
+if [ $# -lt 1 ]; then
+    echo "usage: $0 DECK [--set table.key=value ...]" >&2
+    exit 2
+fi
+# Open MPI refuses to run as root unless told; containers often run as root.
+if [ "$(id -u)" -eq 0 ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+# Ranks waiting in a collective yield the core instead of spinning (matters when oversubscribed).
+export OMPI_MCA_mpi_yield_when_idle="${OMPI_MCA_mpi_yield_when_idle:-1}"
+
+echo "+ $MPIRUN $MPIRUN_ARGS -n $NRANKS $NDTRAIN train $*"
+# shellcheck disable=SC2086
+exec "$MPIRUN" $MPIRUN_ARGS -n "$NRANKS" "$NDTRAIN" train "$@"
