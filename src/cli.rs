@@ -186,10 +186,10 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
 /// Parts of the deck that later issues implement are refused clearly rather than ignored.
 fn check_supported(res: &crate::config::Resolved) -> Result<(), String> {
     let l = &res.layout;
-    if l.tp > 1 || l.cp > 1 || l.dp_shard > 1 {
+    if l.tp > 1 || l.cp > 1 {
         return Err(format!(
-            "[parallel] dp_shard({}) cp({}) tp({}): only dp_replicate (plain data parallelism) is implemented so far; FSDP, TP and CP are not yet\nHINT: set dp_shard = 1 and use dp_replicate for now",
-            l.dp_shard, l.cp, l.tp
+            "[parallel] cp({}) tp({}): context and tensor parallelism are not implemented yet; data parallelism (dp_replicate, dp_shard) is\nHINT: set cp = 1 and tp = 1",
+            l.cp, l.tp
         ));
     }
     let c = &res.deck.checkpoint;

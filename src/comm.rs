@@ -153,6 +153,32 @@ impl Group {
         self.all_reduce_in_place(buf, SystemOperation::max());
     }
 
+    /// Gathers every rank's `send` into `recv` (`[size][send.len()]`, rank order).
+    /// Counted bytes: the gathered output.
+    pub fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(recv.len(), send.len() * self.size, "all_gather: recv must hold size × send");
+        if self.size == 1 {
+            recv.copy_from_slice(send);
+            return;
+        }
+        let start = Instant::now();
+        self.comm.all_gather_into(send, recv);
+        self.record("all_gather", std::mem::size_of_val(recv), start);
+    }
+
+    /// Sums `send` (`[size][recv.len()]`) across the group and leaves block `rank` in `recv`.
+    /// Counted bytes: the input.
+    pub fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(send.len(), recv.len() * self.size, "reduce_scatter: send must hold size × recv");
+        if self.size == 1 {
+            recv.copy_from_slice(send);
+            return;
+        }
+        let start = Instant::now();
+        self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum());
+        self.record("reduce_scatter", std::mem::size_of_val(send), start);
+    }
+
     /// Minimum and maximum of one value across the group (for run summaries).
     pub fn min_max_sum_f64(&self, x: f64) -> (f64, f64, f64) {
         if self.size == 1 {

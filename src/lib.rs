@@ -6,6 +6,7 @@ pub mod cli;
 pub mod comm;
 pub mod config;
 pub mod data;
+pub mod fsdp;
 pub mod hdf5io;
 pub mod hf;
 pub mod mesh;

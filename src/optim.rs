@@ -56,12 +56,14 @@ pub fn scale_grads<T: Real>(grads: &mut ModelParams<T>, coef: f64) {
     }
 }
 
-/// AdamW state: the two moments and the step count.
+/// AdamW state: the two moments of every slot (a tensor, or a rank's shard of one) and the
+/// step count.
 pub struct AdamW<T> {
-    pub exp_avg: ModelParams<T>,
-    pub exp_avg_sq: ModelParams<T>,
+    pub exp_avg: Vec<Vec<T>>,
+    pub exp_avg_sq: Vec<Vec<T>>,
     /// Optimiser steps taken (PyTorch's `state['step']`).
     pub t: u64,
+    /// Whether each slot is weight-decayed (2-D weights) or not (norm weights).
     decayed: Vec<bool>,
     beta1: f64,
     beta2: f64,
@@ -70,12 +72,20 @@ pub struct AdamW<T> {
 }
 
 impl<T: Real> AdamW<T> {
+    /// One slot per parameter tensor of the model, in `param_specs` order.
     pub fn new(model: &ModelCfg, cfg: &OptimCfg) -> Self {
+        let specs = param_specs(model);
+        let slots: Vec<(usize, bool)> = specs.iter().map(|s| (s.numel(), s.decayed())).collect();
+        Self::for_slots(&slots, cfg)
+    }
+
+    /// Slots of the given lengths and decay flags (e.g. the shards one rank owns).
+    pub fn for_slots(slots: &[(usize, bool)], cfg: &OptimCfg) -> Self {
         AdamW {
-            exp_avg: ModelParams::zeros(model),
-            exp_avg_sq: ModelParams::zeros(model),
+            exp_avg: slots.iter().map(|&(n, _)| vec![T::ZERO; n]).collect(),
+            exp_avg_sq: slots.iter().map(|&(n, _)| vec![T::ZERO; n]).collect(),
             t: 0,
-            decayed: param_specs(model).iter().map(|s| s.decayed()).collect(),
+            decayed: slots.iter().map(|&(_, d)| d).collect(),
             beta1: cfg.beta1,
             beta2: cfg.beta2,
             eps: cfg.eps,
@@ -83,9 +93,17 @@ impl<T: Real> AdamW<T> {
         }
     }
 
-    /// One update with learning rate `lr`, as `torch.optim.AdamW` (decoupled decay first,
-    /// then the bias-corrected Adam step); norm weights are not decayed.
+    /// One update of a model held whole.
     pub fn step(&mut self, params: &mut ModelParams<T>, grads: &ModelParams<T>, lr: f64) {
+        let p: Vec<&mut [T]> = params.tensors_mut().into_iter().map(|t| t.as_mut_slice()).collect();
+        let g: Vec<&[T]> = grads.tensors().into_iter().map(|t| t.as_slice()).collect();
+        self.step_slots(p, &g, lr);
+    }
+
+    /// One update with learning rate `lr`, as `torch.optim.AdamW` (decoupled decay first,
+    /// then the bias-corrected Adam step); slots that are not decayed skip the decay.
+    pub fn step_slots(&mut self, params: Vec<&mut [T]>, grads: &[&[T]], lr: f64) {
+        assert_eq!(params.len(), self.exp_avg.len(), "AdamW: slot count changed");
         self.t += 1;
         let bc1 = 1.0 - self.beta1.powi(self.t as i32);
         let bc2 = 1.0 - self.beta2.powi(self.t as i32);
@@ -96,10 +114,10 @@ impl<T: Real> AdamW<T> {
         let (one_m_b1, one_m_b2) = (T::from_f64(1.0 - self.beta1), T::from_f64(1.0 - self.beta2));
         let eps = T::from_f64(self.eps);
         let decay = T::from_f64(1.0 - lr * self.weight_decay);
-        let tensors =
-            params.tensors_mut().into_iter().zip(grads.tensors()).zip(self.exp_avg.tensors_mut()).zip(self.exp_avg_sq.tensors_mut());
-        for (i, (((p, g), m), v)) in tensors.enumerate() {
+        let slots = params.into_iter().zip(grads).zip(self.exp_avg.iter_mut()).zip(self.exp_avg_sq.iter_mut());
+        for (i, (((p, g), m), v)) in slots.enumerate() {
             let decayed = self.decayed[i] && self.weight_decay != 0.0;
+            assert_eq!(p.len(), m.len(), "AdamW: slot {i} changed length");
             for j in 0..p.len() {
                 if decayed {
                     p[j] *= decay;

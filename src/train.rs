@@ -8,11 +8,12 @@
 
 use crate::config::{ActCkpt, Resolved};
 use crate::data::{open_source, Loader};
+use crate::fsdp::{FsdpGrads, FsdpParams};
 use crate::mesh::Mesh;
 use crate::metrics::{flops_per_token, fmt_duration, MetricsCsv, PhaseTimes, StepRecord, TimingLog, PHASES};
 use crate::model::params::ModelParams;
 use crate::model::{Model, Tokens};
-use crate::optim::{clip_coefficient, global_grad_norm, lr_at, scale_grads, AdamW};
+use crate::optim::{clip_coefficient, lr_at, AdamW};
 use crate::real::{matmul, Mat, MatMut};
 use crate::say;
 use std::path::Path;
@@ -62,17 +63,19 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let rank = mesh.world.rank();
     let (s, mb, ga) = (tcfg.seq_len, tcfg.micro_batch, res.grad_accum);
 
-    // Model state.
-    let mut params: ModelParams<f32> = if deck.checkpoint.init_from.is_empty() {
-        ModelParams::init(mcfg, deck.run.seed)
+    // Model state: this rank's shards (the whole model when the fsdp degree is 1).
+    let reshard = deck.parallel.reshard_after_forward;
+    let mut params = if deck.checkpoint.init_from.is_empty() {
+        FsdpParams::init(mcfg, deck.run.seed, &mesh.fsdp, reshard)
     } else {
         let dir = Path::new(&deck.checkpoint.init_from);
         crate::hf::check_config(dir, mcfg)?;
         say!("init_from: {}", dir.display());
-        crate::hf::load_params(dir, mcfg)?
+        FsdpParams::from_full(&crate::hf::load_params(dir, mcfg)?, mcfg, &mesh.fsdp, reshard)
     };
-    let mut grads = ModelParams::<f32>::zeros(mcfg);
-    let mut opt = AdamW::<f32>::new(mcfg, ocfg);
+    let mut grads = FsdpGrads::new(mcfg, &mesh.fsdp, &mesh.dp_rep);
+    let mut opt = AdamW::<f32>::for_slots(&params.plan.optimizer_slots(), ocfg);
+    let n_params = crate::model::params::param_specs(mcfg).iter().map(|s| s.numel()).sum::<usize>();
     let mut model = Model::<f32>::new(mcfg, tcfg.activation_checkpointing);
 
     // Data.
@@ -93,7 +96,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let flops_tok = flops_per_token(mcfg, s);
     say!(
         "model: {} parameters ({} matmul), {:.3} GFLOP/token; MFU peak {:.1} GFLOP/s per rank ({peak_src})",
-        params.numel(),
+        n_params,
         crate::metrics::matmul_params(mcfg),
         flops_tok / 1e9,
         peak / 1e9
@@ -112,7 +115,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     for step in 0..steps {
         let step_start = Instant::now();
         let mut pt = PhaseTimes::default();
-        grads.fill_zero();
+        grads.zero();
         // Global number of target tokens, reduced before any backward (DESIGN.md: loss is the
         // global sum over the global token count, exact for any layout and accumulation).
         let mut n_tok = [(ga * mb * s) as f64];
@@ -124,9 +127,12 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             let batch = loader.micro_batch(step, micro)?;
             let t1 = Instant::now();
             let tok = Tokens { inputs: &batch.inputs, targets: &batch.targets, positions: &positions, batch: mb, seq: s };
-            loss_sum += model.forward(&params, &tok);
+            params.begin_micro_step();
+            loss_sum += model.forward_with(&mut params, &tok);
             let t2 = Instant::now();
-            model.backward(&params, &mut grads, loss_scale);
+            params.begin_backward();
+            model.backward_with(&mut params, &mut grads, loss_scale);
+            params.end_micro_step();
             let t3 = Instant::now();
             pt.0[0] += (t1 - t0).as_secs_f64();
             pt.0[1] += (t2 - t1).as_secs_f64();
@@ -136,16 +142,18 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         let mut loss_buf = [loss_sum];
         mesh.batch.all_reduce_sum_f64(&mut loss_buf);
         let loss = loss_buf[0] / n_tok[0];
-        for t in grads.tensors_mut() {
-            mesh.batch.all_reduce_sum_f32(t);
-        }
+        grads.finish_step();
+        // Global norm from the shards' squares, reduced once over the fsdp group (every dp_rep
+        // replica already holds the same reduced shards).
+        let mut sq = [grads.local_sq_sum()];
+        mesh.fsdp.all_reduce_sum_f64(&mut sq);
         pt.0[3] += t_comm.elapsed().as_secs_f64();
 
         let t_opt = Instant::now();
-        let grad_norm = global_grad_norm(&grads);
-        scale_grads(&mut grads, clip_coefficient(grad_norm, ocfg.grad_clip));
+        let grad_norm = sq[0].sqrt();
+        grads.scale(clip_coefficient(grad_norm, ocfg.grad_clip));
         let lr = lr_at(ocfg, res.lr, step, steps);
-        opt.step(&mut params, &grads, lr);
+        opt.step_slots(params.slots_mut(), &grads.slots(), lr);
         pt.0[4] += t_opt.elapsed().as_secs_f64();
 
         let step_s = step_start.elapsed().as_secs_f64();
@@ -201,13 +209,28 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         say!("final loss {last:.4} vs entropy floor {f:.4} (gap {:.4})", last - f);
     }
     let act = model.activation_bytes();
+    let shard_bytes = params.plan.shard_elements() * 4;
+    say!(
+        "model state per rank: params {:.1} MiB + grads {:.1} MiB + AdamW {:.1} MiB; gathered peak {:.1} MiB; activations {:.1} MiB",
+        shard_bytes as f64 / 1048576.0,
+        shard_bytes as f64 / 1048576.0,
+        2.0 * shard_bytes as f64 / 1048576.0,
+        params.gathered_peak_bytes as f64 / 1048576.0,
+        act as f64 / 1048576.0
+    );
+    let final_params = params.gather_full();
+    if !deck.checkpoint.export_hf.is_empty() && rank == 0 {
+        let dir = Path::new(&deck.checkpoint.export_hf);
+        crate::hf::save_params(dir, mcfg, &final_params)?;
+        say!("exported the final model to {} (Hugging Face format)", dir.display());
+    }
     if tcfg.activation_checkpointing == ActCkpt::Full {
         say!("activation checkpointing: full ({:.1} MiB held)", act as f64 / 1048576.0);
     }
     Ok(RunSummary {
         losses,
         entropy_floor: floor,
-        final_params: params,
+        final_params,
         activation_bytes: act,
         mean_step_s: step_times.iter().sum::<f64>() / step_times.len().max(1) as f64,
     })

@@ -273,6 +273,9 @@ pub struct CheckpointCfg {
     pub resume: String,
     /// A Hugging Face model folder (`config.json` + `model.safetensors`) to initialise from.
     pub init_from: String,
+    /// A folder to write the final model to as Hugging Face `config.json` + `model.safetensors`
+    /// (empty = none).
+    pub export_hf: String,
 }
 
 /// `[log]`: how often rank 0 prints a line.

@@ -19,6 +19,59 @@ use attention::{attention_bwd, attention_fwd, AttnDims};
 use kernels::*;
 use params::{LayerParams, ModelParams};
 
+/// The tensors outside the blocks, as the model reads them.
+pub struct Globals<'a, T> {
+    pub embed_tokens: &'a [T], // [V, D]
+    pub norm: &'a [T],         // [D]
+    /// `lm_head`, or `embed_tokens` when tied.
+    pub output: &'a [T], // [V, D]
+}
+
+/// The gradients of the tensors outside the blocks.
+pub struct GlobalsMut<'a, T> {
+    pub embed_tokens: &'a mut [T],    // [V, D]
+    pub norm: &'a mut [T],            // [D]
+    pub lm_head: Option<&'a mut [T]>, // [V, D]; None when tied (its gradient joins embed_tokens')
+}
+
+/// Where the weights come from during a pass: held whole, or gathered block by block from
+/// shards. The model asks for a block right before it uses it and says when it is done.
+pub trait WeightSource<T> {
+    fn globals(&self) -> Globals<'_, T>;
+    /// Block `l`'s weights, ready to use.
+    fn block(&mut self, l: usize) -> &LayerParams<T>;
+    /// Block `l` is not needed until it is asked for again.
+    fn block_done(&mut self, _l: usize) {}
+}
+
+/// Where the gradients go during backward. The model accumulates (`+=`) into what it is
+/// handed and reports when a block's (and finally the global tensors') gradients of this
+/// micro-batch are complete, so a parallel strategy can start reducing them.
+pub trait GradSink<T> {
+    fn globals_mut(&mut self) -> GlobalsMut<'_, T>;
+    fn block_mut(&mut self, l: usize) -> &mut LayerParams<T>;
+    fn block_done(&mut self, _l: usize) {}
+    fn globals_done(&mut self) {}
+}
+
+impl<T: Real> WeightSource<T> for &ModelParams<T> {
+    fn globals(&self) -> Globals<'_, T> {
+        Globals { embed_tokens: &self.embed_tokens, norm: &self.norm, output: self.output_weight() }
+    }
+    fn block(&mut self, l: usize) -> &LayerParams<T> {
+        &self.layers[l]
+    }
+}
+
+impl<T: Real> GradSink<T> for ModelParams<T> {
+    fn globals_mut(&mut self) -> GlobalsMut<'_, T> {
+        GlobalsMut { embed_tokens: &mut self.embed_tokens, norm: &mut self.norm, lm_head: self.lm_head.as_deref_mut() }
+    }
+    fn block_mut(&mut self, l: usize) -> &mut LayerParams<T> {
+        &mut self.layers[l]
+    }
+}
+
 /// The tokens of one micro-batch.
 #[derive(Clone, Copy, Debug)]
 pub struct Tokens<'a> {
@@ -224,8 +277,21 @@ impl<T: Real> Model<T> {
         &self.logits
     }
 
-    /// Forward of one micro-batch. Returns the SUM over its tokens of the cross-entropy loss.
+    /// Forward of one micro-batch with weights held whole. Returns the SUM over its tokens of
+    /// the cross-entropy loss.
     pub fn forward(&mut self, params: &ModelParams<T>, tok: &Tokens) -> f64 {
+        self.forward_with(&mut &*params, tok)
+    }
+
+    /// Backward of the last forward with weights and gradients held whole; ACCUMULATES (`+=`)
+    /// into `grads`. `loss_scale` is `dloss/dloss_token` (1 / the global number of targets).
+    pub fn backward(&mut self, params: &ModelParams<T>, grads: &mut ModelParams<T>, loss_scale: T) {
+        self.backward_with(&mut &*params, grads, loss_scale)
+    }
+
+    /// Forward of one micro-batch, asking `w` for each block's weights when it needs them.
+    /// Returns the SUM over its tokens of the cross-entropy loss.
+    pub fn forward_with<W: WeightSource<T>>(&mut self, w: &mut W, tok: &Tokens) -> f64 {
         let (b, s) = (tok.batch, tok.seq);
         assert_eq!(tok.inputs.len(), b * s, "inputs must be [B*S]");
         assert_eq!(tok.targets.len(), b * s, "targets must be [B*S]");
@@ -247,7 +313,7 @@ impl<T: Real> Model<T> {
         // Embedding: x[n] = E[token[n]].
         let x0 = if nl > 0 { &mut self.saved[0].x } else { &mut self.x_final };
         for (row, &t) in x0.chunks_mut(d).zip(tok.inputs) {
-            row.copy_from_slice(&params.embed_tokens[t as usize * d..][..d]);
+            row.copy_from_slice(&w.globals().embed_tokens[t as usize * d..][..d]);
         }
         for l in 0..nl {
             let (saved_l, rest) = self.saved[l..].split_first_mut().expect("layer exists");
@@ -261,17 +327,20 @@ impl<T: Real> Model<T> {
                 Some(next) => &mut next.x,
                 None => &mut self.x_final,
             };
-            block_fwd(&ctx, &params.layers[l], acts, &mut self.grads, out);
+            block_fwd(&ctx, w.block(l), acts, &mut self.grads, out);
+            w.block_done(l);
         }
+        let g = w.globals();
         // Final norm, output projection, loss.
-        rmsnorm_fwd(&mut self.xf, &mut self.rstd_f, &self.x_final, &params.norm, d, self.cfg.norm_eps);
-        linear_fwd(&mut self.logits, &self.xf, params.output_weight(), b * s, v, d, false);
+        rmsnorm_fwd(&mut self.xf, &mut self.rstd_f, &self.x_final, g.norm, d, self.cfg.norm_eps);
+        linear_fwd(&mut self.logits, &self.xf, g.output, b * s, v, d, false);
         cross_entropy_fwd(&mut self.lse_ce, &self.logits, &self.targets, v)
     }
 
-    /// Backward of the last forward, with `dloss/dloss_token = loss_scale` for every token
-    /// (1 / the global number of target tokens). ACCUMULATES (`+=`) into `grads`.
-    pub fn backward(&mut self, params: &ModelParams<T>, grads: &mut ModelParams<T>, loss_scale: T) {
+    /// Backward of the last forward, with `dloss/dloss_token = loss_scale` for every token.
+    /// ACCUMULATES (`+=`) into the gradients `gs` hands out; tells `gs` when each block's and
+    /// finally the global tensors' gradients of this micro-batch are complete.
+    pub fn backward_with<W: WeightSource<T>, G: GradSink<T>>(&mut self, w: &mut W, gs: &mut G, loss_scale: T) {
         let (b, s) = self.dims;
         let n = b * s;
         let (d, v, nl) = (self.cfg.d_model, self.cfg.vocab_size, self.cfg.n_layers);
@@ -280,37 +349,43 @@ impl<T: Real> Model<T> {
         // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V].
         cross_entropy_bwd_inplace(&mut self.logits, &self.lse_ce, &self.targets, v, loss_scale);
         {
-            let dw_out = match grads.lm_head.as_mut() {
+            let (g, dg) = (w.globals(), gs.globals_mut());
+            let dw_out = match dg.lm_head {
                 Some(h) => h,
-                None => &mut grads.embed_tokens,
+                None => &mut *dg.embed_tokens,
             };
             linear_bwd_weight(dw_out, &self.logits, &self.xf, n, v, d, true);
+            let mut dxf = std::mem::take(&mut self.grads.dxn); // [N, D]
+            linear_bwd_input(&mut dxf, &self.logits, g.output, n, v, d, false);
+            rmsnorm_bwd(&mut self.dx, dg.norm, &dxf, &self.x_final, g.norm, &self.rstd_f, d, false);
+            self.grads.dxn = dxf;
         }
-        let mut dxf = std::mem::take(&mut self.grads.dxn); // [N, D]
-        linear_bwd_input(&mut dxf, &self.logits, params.output_weight(), n, v, d, false);
-        rmsnorm_bwd(&mut self.dx, &mut grads.norm, &dxf, &self.x_final, &params.norm, &self.rstd_f, d, false);
-        self.grads.dxn = dxf;
 
         for l in (0..nl).rev() {
+            let wl = w.block(l);
             let acts = if self.ckpt == ActCkpt::Full {
                 // Recompute the block from its saved input, with the forward's own code.
                 self.scratch.x.copy_from_slice(&self.saved[l].x);
                 let mut out = std::mem::take(&mut self.grads.dx1);
-                block_fwd(&ctx, &params.layers[l], &mut self.scratch, &mut self.grads, &mut out);
+                block_fwd(&ctx, wl, &mut self.scratch, &mut self.grads, &mut out);
                 self.grads.dx1 = out;
                 &self.scratch
             } else {
                 &self.saved[l]
             };
             // dx: gradient w.r.t. the block output in, w.r.t. the block input out.
-            block_bwd(&ctx, &params.layers[l], &mut grads.layers[l], acts, &mut self.grads, &mut self.dx);
+            block_bwd(&ctx, wl, gs.block_mut(l), acts, &mut self.grads, &mut self.dx);
+            w.block_done(l);
+            gs.block_done(l);
         }
         // Embedding: dE[token[n]] += dx[n].
+        let de = gs.globals_mut().embed_tokens;
         for (row, &t) in self.dx.chunks(d).zip(&self.inputs) {
-            for (g, &x) in grads.embed_tokens[t as usize * d..][..d].iter_mut().zip(row) {
+            for (g, &x) in de[t as usize * d..][..d].iter_mut().zip(row) {
                 *g += x;
             }
         }
+        gs.globals_done();
     }
 }
 

@@ -108,6 +108,21 @@ pub fn init_value(seed: u64, spec: &ParamSpec, n_layers: usize, index: u64) -> f
 }
 
 impl<T: Real> LayerParams<T> {
+    /// A block with no storage (a placeholder while a buffer is lent out).
+    pub fn empty() -> Self {
+        LayerParams {
+            input_layernorm: vec![],
+            q_proj: vec![],
+            k_proj: vec![],
+            v_proj: vec![],
+            o_proj: vec![],
+            post_attention_layernorm: vec![],
+            gate_proj: vec![],
+            up_proj: vec![],
+            down_proj: vec![],
+        }
+    }
+
     fn zeros(cfg: &ModelCfg) -> Self {
         let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
         let (q, kv) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);

@@ -87,3 +87,12 @@ pub fn output_within(cmd: &mut Command, secs: u64) -> (Output, bool) {
     }
     (child.wait_with_output().expect("output collected"), timed_out)
 }
+
+/// A numeric column of `<out>/metrics.csv`.
+pub fn column(out: &Path, name: &str) -> Vec<f64> {
+    let csv = std::fs::read_to_string(out.join("metrics.csv")).expect("metrics.csv exists");
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+    let col = header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}"));
+    lines.map(|l| l.split(',').nth(col).expect("value").parse().expect("a number")).collect()
+}

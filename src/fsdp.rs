@@ -1,0 +1,491 @@
+//! Fully sharded data parallelism (ZeRO-3) over the `fsdp` group, and the outer gradient
+//! all-reduce over `dp_rep` that makes it HSDP (or plain DP when the `fsdp` degree is 1).
+//!
+//! Every parameter is cut along dim 0 into `fsdp` equal row blocks (the last padded with
+//! zeros), so a rank's piece of each tensor is a rectangular slice of the logical tensor (a
+//! hyperslab for checkpoints). Tensors are grouped into units that are gathered together:
+//! unit 0 holds the tensors outside the blocks (embedding, final norm, output projection),
+//! unit `1 + l` the tensors of block `l`. A unit's shard is one flat buffer, the concatenation
+//! of its tensors' row blocks, so one all-gather and one reduce-scatter move a whole unit.
+//!
+//! `FsdpParams` hands the model gathered weights block by block ([`WeightSource`]) and frees
+//! them after use (`reshard_after_forward = true`, ZeRO-3) or keeps them from forward to
+//! backward (`false`). `FsdpGrads` receives each block's full gradient ([`GradSink`]),
+//! reduce-scatters it over `fsdp` into the rank's shard (summing micro-steps), and
+//! `finish_step` all-reduces the shards over `dp_rep`. With degree 1 the same code holds the
+//! whole model and every collective is a no-op. Knows nothing of attention or data.
+
+use crate::comm::Group;
+use crate::config::ModelCfg;
+use crate::model::params::{init_value, param_specs, LayerParams, ModelParams};
+use crate::model::{Globals, GlobalsMut, GradSink, WeightSource};
+use std::ops::Range;
+
+/// One tensor's place in its unit's shard.
+#[derive(Clone, Debug)]
+pub struct TensorShard {
+    pub name: String,
+    /// Index in `param_specs` order.
+    pub spec_index: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// Rows per rank: `ceil(rows / degree)`; the last rank's block is padded.
+    pub rows_per_rank: usize,
+    /// Offset of this tensor's block in the unit's flat shard.
+    pub offset: usize,
+    pub decayed: bool,
+}
+
+impl TensorShard {
+    pub fn shard_len(&self) -> usize {
+        self.rows_per_rank * self.cols
+    }
+
+    /// The rows of the logical tensor that `fsdp` rank `rank` owns (empty past the end).
+    pub fn owned_rows(&self, rank: usize) -> Range<usize> {
+        let start = (rank * self.rows_per_rank).min(self.rows);
+        start..((rank + 1) * self.rows_per_rank).min(self.rows)
+    }
+}
+
+/// Tensors gathered and reduced together.
+#[derive(Clone, Debug)]
+pub struct Unit {
+    pub tensors: Vec<TensorShard>,
+    pub shard_len: usize,
+}
+
+/// How every tensor of the model is cut across an `fsdp` group of `degree` ranks.
+#[derive(Clone, Debug)]
+pub struct ShardPlan {
+    pub units: Vec<Unit>,
+    pub degree: usize,
+    pub rank: usize,
+}
+
+impl ShardPlan {
+    pub fn new(cfg: &ModelCfg, degree: usize, rank: usize) -> ShardPlan {
+        let mut units: Vec<Unit> = (0..=cfg.n_layers).map(|_| Unit { tensors: vec![], shard_len: 0 }).collect();
+        for (i, spec) in param_specs(cfg).into_iter().enumerate() {
+            let unit = spec
+                .name
+                .strip_prefix("model.layers.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|l| l.parse::<usize>().ok())
+                .map_or(0, |l| l + 1);
+            let rows = spec.shape[0];
+            let cols = spec.shape.get(1).copied().unwrap_or(1);
+            let rows_per_rank = rows.div_ceil(degree);
+            let u = &mut units[unit];
+            let t = TensorShard {
+                name: spec.name.clone(),
+                spec_index: i,
+                rows,
+                cols,
+                rows_per_rank,
+                offset: u.shard_len,
+                decayed: spec.decayed(),
+            };
+            u.shard_len += t.shard_len();
+            u.tensors.push(t);
+        }
+        ShardPlan { units, degree, rank }
+    }
+
+    /// AdamW slots: one per tensor shard, in unit order.
+    pub fn optimizer_slots(&self) -> Vec<(usize, bool)> {
+        self.units.iter().flat_map(|u| u.tensors.iter().map(|t| (t.shard_len(), t.decayed))).collect()
+    }
+
+    /// Elements this rank stores per copy of the model state (shards, padding included).
+    pub fn shard_elements(&self) -> usize {
+        self.units.iter().map(|u| u.shard_len).sum()
+    }
+
+    /// Copies the rows rank `rank` owns of every tensor of `unit` from whole tensors into a
+    /// flat shard (zero padding).
+    fn pack(&self, unit: usize, full: &[&[f32]], rank: usize, shard: &mut [f32]) {
+        for (t, src) in self.units[unit].tensors.iter().zip(full) {
+            let dst = &mut shard[t.offset..][..t.shard_len()];
+            let rows = t.owned_rows(rank);
+            let n = rows.len() * t.cols;
+            dst[..n].copy_from_slice(&src[rows.start * t.cols..][..n]);
+            dst[n..].iter_mut().for_each(|x| *x = 0.0);
+        }
+    }
+
+    /// Copies a gathered unit (`[degree][shard_len]`) into whole tensors.
+    fn unpack(&self, unit: usize, gathered: &[f32], full: &mut [&mut Vec<f32>]) {
+        let u = &self.units[unit];
+        for (t, dst) in u.tensors.iter().zip(full.iter_mut()) {
+            for r in 0..self.degree {
+                let rows = t.owned_rows(r);
+                let n = rows.len() * t.cols;
+                dst[rows.start * t.cols..][..n].copy_from_slice(&gathered[r * u.shard_len + t.offset..][..n]);
+            }
+        }
+    }
+}
+
+/// Whole tensors of unit 0.
+fn globals_tensors_mut(p: &mut ModelParams<f32>) -> Vec<&mut Vec<f32>> {
+    let mut v = vec![&mut p.embed_tokens, &mut p.norm];
+    if let Some(h) = p.lm_head.as_mut() {
+        v.push(h);
+    }
+    v
+}
+
+/// The whole tensors of a unit of a model held whole, in unit order.
+fn unit_tensors(p: &ModelParams<f32>, unit: usize) -> Vec<&[f32]> {
+    if unit == 0 {
+        let mut v = vec![p.embed_tokens.as_slice(), p.norm.as_slice()];
+        if let Some(h) = &p.lm_head {
+            v.push(h);
+        }
+        v
+    } else {
+        p.layers[unit - 1].tensors().into_iter().map(|t| t.as_slice()).collect()
+    }
+}
+
+/// Which pass the model is in: decides whether a block is freed after use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Forward,
+    Backward,
+}
+
+/// The rank's parameter shards and the gathered copies the model reads.
+pub struct FsdpParams<'g> {
+    pub plan: ShardPlan,
+    fsdp: &'g Group,
+    cfg: ModelCfg,
+    /// `[unit][shard_len]`: what this rank owns and updates.
+    pub shards: Vec<Vec<f32>>,
+    pub reshard_after_forward: bool,
+    pass: Pass,
+    /// Unit 0 gathered (only its global tensors are allocated), during a micro-step.
+    globals: Option<ModelParams<f32>>,
+    blocks: Vec<Option<LayerParams<f32>>>,
+    spare: Vec<LayerParams<f32>>,
+    gather_buf: Vec<f32>,
+    gathered_bytes: usize,
+    /// High-water mark of gathered (unsharded) parameter bytes.
+    pub gathered_peak_bytes: usize,
+}
+
+impl<'g> FsdpParams<'g> {
+    fn empty(cfg: &ModelCfg, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
+        let plan = ShardPlan::new(cfg, fsdp.size(), fsdp.rank());
+        let shards = plan.units.iter().map(|u| vec![0.0; u.shard_len]).collect();
+        FsdpParams {
+            plan,
+            fsdp,
+            cfg: cfg.clone(),
+            shards,
+            reshard_after_forward,
+            pass: Pass::Forward,
+            globals: None,
+            blocks: (0..cfg.n_layers).map(|_| None).collect(),
+            spare: vec![],
+            gather_buf: vec![],
+            gathered_bytes: 0,
+            gathered_peak_bytes: 0,
+        }
+    }
+
+    /// The seeded initial model; each rank generates only the rows it owns.
+    pub fn init(cfg: &ModelCfg, seed: u64, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
+        let mut p = Self::empty(cfg, fsdp, reshard_after_forward);
+        let specs = param_specs(cfg);
+        for (unit, shard) in p.plan.units.iter().zip(p.shards.iter_mut()) {
+            for t in &unit.tensors {
+                let rows = t.owned_rows(p.plan.rank);
+                let dst = &mut shard[t.offset..][..rows.len() * t.cols];
+                let first = (rows.start * t.cols) as u64;
+                for (i, x) in dst.iter_mut().enumerate() {
+                    *x = init_value(seed, &specs[t.spec_index], cfg.n_layers, first + i as u64) as f32;
+                }
+            }
+        }
+        p
+    }
+
+    /// Takes this rank's shards of a model held whole (e.g. imported from Hugging Face).
+    pub fn from_full(full: &ModelParams<f32>, cfg: &ModelCfg, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
+        let mut p = Self::empty(cfg, fsdp, reshard_after_forward);
+        for u in 0..p.plan.units.len() {
+            p.plan.pack(u, &unit_tensors(full, u), p.plan.rank, &mut p.shards[u]);
+        }
+        p
+    }
+
+    fn gather_unit(&mut self, unit: usize) {
+        let len = self.plan.units[unit].shard_len;
+        self.gather_buf.resize(len * self.plan.degree, 0.0);
+        self.fsdp.all_gather_f32(&self.shards[unit], &mut self.gather_buf);
+    }
+
+    fn track(&mut self, delta: isize) {
+        self.gathered_bytes = (self.gathered_bytes as isize + delta) as usize;
+        self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes);
+    }
+
+    /// Gathers the global tensors for a micro-step and enters the forward pass.
+    pub fn begin_micro_step(&mut self) {
+        self.pass = Pass::Forward;
+        if self.globals.is_none() {
+            let mut g = ModelParams::<f32>::zeros(&ModelCfg { n_layers: 0, ..self.cfg.clone() });
+            self.gather_unit(0);
+            self.plan.unpack(0, &self.gather_buf, &mut globals_tensors_mut(&mut g));
+            self.track((self.plan.units[0].shard_len * self.plan.degree * 4) as isize);
+            self.globals = Some(g);
+        }
+    }
+
+    pub fn begin_backward(&mut self) {
+        self.pass = Pass::Backward;
+    }
+
+    /// Frees the global tensors after backward.
+    pub fn end_micro_step(&mut self) {
+        if self.globals.take().is_some() {
+            self.track(-((self.plan.units[0].shard_len * self.plan.degree * 4) as isize));
+        }
+        debug_assert!(self.blocks.iter().all(|b| b.is_none()), "every block is freed after backward");
+    }
+
+    /// The whole model, gathered on every rank of the `fsdp` group (for an export or a test;
+    /// training never needs it).
+    pub fn gather_full(&mut self) -> ModelParams<f32> {
+        let mut full = ModelParams::<f32>::zeros(&self.cfg);
+        for unit in 0..self.plan.units.len() {
+            self.gather_unit(unit);
+            let mut dst =
+                if unit == 0 { globals_tensors_mut(&mut full) } else { full.layers[unit - 1].tensors_mut().into_iter().collect() };
+            self.plan.unpack(unit, &self.gather_buf, &mut dst);
+        }
+        full
+    }
+
+    /// AdamW over this rank's shards.
+    pub fn slots_mut(&mut self) -> Vec<&mut [f32]> {
+        let mut out = vec![];
+        for (unit, shard) in self.plan.units.iter().zip(self.shards.iter_mut()) {
+            let mut rest: &mut [f32] = shard;
+            for t in &unit.tensors {
+                let (a, b) = rest.split_at_mut(t.shard_len());
+                out.push(a);
+                rest = b;
+            }
+        }
+        out
+    }
+}
+
+impl WeightSource<f32> for FsdpParams<'_> {
+    fn globals(&self) -> Globals<'_, f32> {
+        let g = self.globals.as_ref().expect("begin_micro_step gathers the global tensors");
+        Globals { embed_tokens: &g.embed_tokens, norm: &g.norm, output: g.output_weight() }
+    }
+
+    fn block(&mut self, l: usize) -> &LayerParams<f32> {
+        if self.blocks[l].is_none() {
+            let mut buf = match self.spare.pop() {
+                Some(b) => b,
+                None => ModelParams::<f32>::zeros(&ModelCfg { n_layers: 1, ..self.cfg.clone() }).layers.remove(0),
+            };
+            self.gather_unit(l + 1);
+            self.plan.unpack(l + 1, &self.gather_buf, &mut buf.tensors_mut());
+            self.track((self.plan.units[l + 1].shard_len * self.plan.degree * 4) as isize);
+            self.blocks[l] = Some(buf);
+        }
+        self.blocks[l].as_ref().expect("just gathered")
+    }
+
+    fn block_done(&mut self, l: usize) {
+        if self.pass == Pass::Forward && !self.reshard_after_forward {
+            return;
+        }
+        if let Some(b) = self.blocks[l].take() {
+            self.track(-((self.plan.units[l + 1].shard_len * self.plan.degree * 4) as isize));
+            self.spare.push(b);
+        }
+    }
+}
+
+/// The rank's gradient shards, and the whole-tensor scratch the model writes into.
+pub struct FsdpGrads<'g> {
+    plan: ShardPlan,
+    fsdp: &'g Group,
+    dp_rep: &'g Group,
+    /// `[unit][shard_len]`: summed over the micro-steps of the step, then over `dp_rep`.
+    pub shards: Vec<Vec<f32>>,
+    globals: ModelParams<f32>,
+    block: LayerParams<f32>,
+    current: Option<usize>,
+    pack_buf: Vec<f32>,
+    recv_buf: Vec<f32>,
+}
+
+impl<'g> FsdpGrads<'g> {
+    pub fn new(cfg: &ModelCfg, fsdp: &'g Group, dp_rep: &'g Group) -> Self {
+        let plan = ShardPlan::new(cfg, fsdp.size(), fsdp.rank());
+        let shards = plan.units.iter().map(|u| vec![0.0; u.shard_len]).collect();
+        FsdpGrads {
+            plan,
+            fsdp,
+            dp_rep,
+            shards,
+            globals: ModelParams::zeros(&ModelCfg { n_layers: 0, ..cfg.clone() }),
+            block: ModelParams::<f32>::zeros(&ModelCfg { n_layers: 1, ..cfg.clone() }).layers.remove(0),
+            current: None,
+            pack_buf: vec![],
+            recv_buf: vec![],
+        }
+    }
+
+    /// Zeroes the shards before the step's first micro-step.
+    pub fn zero(&mut self) {
+        self.shards.iter_mut().for_each(|s| s.iter_mut().for_each(|x| *x = 0.0));
+    }
+
+    /// Reduce-scatters a unit's whole gradient over `fsdp` and adds this rank's block into
+    /// its shard. Conjugate of the forward all-gather.
+    fn reduce_unit(&mut self, unit: usize, full: &[&[f32]]) {
+        let len = self.plan.units[unit].shard_len;
+        if self.plan.degree == 1 {
+            // The whole gradient is this rank's shard: add it in place, no copies.
+            for (t, src) in self.plan.units[unit].tensors.iter().zip(full) {
+                for (a, &b) in self.shards[unit][t.offset..][..src.len()].iter_mut().zip(src.iter()) {
+                    *a += b;
+                }
+            }
+            return;
+        }
+        self.pack_buf.resize(len * self.plan.degree, 0.0);
+        for r in 0..self.plan.degree {
+            self.plan.pack(unit, full, r, &mut self.pack_buf[r * len..][..len]);
+        }
+        self.recv_buf.resize(len, 0.0);
+        self.fsdp.reduce_scatter_sum_f32(&self.pack_buf, &mut self.recv_buf);
+        for (a, &b) in self.shards[unit].iter_mut().zip(&self.recv_buf) {
+            *a += b;
+        }
+    }
+
+    /// After the step's last micro-step: sum the shards across `dp_rep` (HSDP's outer
+    /// reduction, or DP's all-reduce when `fsdp` has degree 1).
+    pub fn finish_step(&mut self) {
+        for s in self.shards.iter_mut() {
+            self.dp_rep.all_reduce_sum_f32(s);
+        }
+    }
+
+    /// This rank's part of the squared global norm (padding is zero and adds nothing).
+    pub fn local_sq_sum(&self) -> f64 {
+        self.shards.iter().flat_map(|s| s.iter()).map(|&x| (x as f64) * (x as f64)).sum()
+    }
+
+    pub fn scale(&mut self, coef: f64) {
+        if coef != 1.0 {
+            let c = coef as f32;
+            self.shards.iter_mut().for_each(|s| s.iter_mut().for_each(|x| *x *= c));
+        }
+    }
+
+    pub fn slots(&self) -> Vec<&[f32]> {
+        let mut out = vec![];
+        for (unit, shard) in self.plan.units.iter().zip(self.shards.iter()) {
+            for t in &unit.tensors {
+                out.push(&shard[t.offset..][..t.shard_len()]);
+            }
+        }
+        out
+    }
+}
+
+impl GradSink<f32> for FsdpGrads<'_> {
+    fn globals_mut(&mut self) -> GlobalsMut<'_, f32> {
+        let g = &mut self.globals;
+        GlobalsMut { embed_tokens: &mut g.embed_tokens, norm: &mut g.norm, lm_head: g.lm_head.as_deref_mut() }
+    }
+
+    fn block_mut(&mut self, l: usize) -> &mut LayerParams<f32> {
+        if self.current != Some(l) {
+            self.block.tensors_mut().into_iter().for_each(|t| t.iter_mut().for_each(|x| *x = 0.0));
+            self.current = Some(l);
+        }
+        &mut self.block
+    }
+
+    fn block_done(&mut self, l: usize) {
+        let block = std::mem::replace(&mut self.block, LayerParams::empty());
+        {
+            let full: Vec<&[f32]> = block.tensors().into_iter().map(|t| t.as_slice()).collect();
+            self.reduce_unit(l + 1, &full);
+        }
+        self.block = block;
+        self.current = None;
+    }
+
+    fn globals_done(&mut self) {
+        let mut g = std::mem::replace(&mut self.globals, ModelParams { embed_tokens: vec![], layers: vec![], norm: vec![], lm_head: None });
+        {
+            let mut full: Vec<&[f32]> = vec![&g.embed_tokens, &g.norm];
+            if let Some(h) = &g.lm_head {
+                full.push(h);
+            }
+            self.reduce_unit(0, &full);
+        }
+        globals_tensors_mut(&mut g).into_iter().for_each(|t| t.iter_mut().for_each(|x| *x = 0.0));
+        self.globals = g;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_tile_every_tensor_exactly() {
+        let cfg = ModelCfg { vocab_size: 257, ..ModelCfg::default() };
+        for degree in [1, 2, 3, 4, 7] {
+            let plan = ShardPlan::new(&cfg, degree, 0);
+            let specs = param_specs(&cfg);
+            let mut seen = vec![0usize; specs.len()];
+            for u in &plan.units {
+                for t in &u.tensors {
+                    let rows: usize = (0..degree).map(|r| t.owned_rows(r).len()).sum();
+                    assert_eq!(rows, t.rows, "{} degree {degree}", t.name);
+                    assert_eq!(t.rows * t.cols, specs[t.spec_index].numel());
+                    seen[t.spec_index] += 1;
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "every tensor in exactly one unit");
+        }
+    }
+
+    #[test]
+    fn pack_then_unpack_round_trips() {
+        let cfg = ModelCfg { vocab_size: 37, d_model: 16, n_heads: 4, n_kv_heads: 2, ffn_hidden: 24, ..ModelCfg::default() };
+        let full = ModelParams::<f32>::init(&cfg, 9);
+        let degree = 3;
+        let plans: Vec<ShardPlan> = (0..degree).map(|r| ShardPlan::new(&cfg, degree, r)).collect();
+        for unit in 0..plans[0].units.len() {
+            let len = plans[0].units[unit].shard_len;
+            let mut gathered = vec![0.0; len * degree];
+            for (r, plan) in plans.iter().enumerate() {
+                plan.pack(unit, &unit_tensors(&full, unit), r, &mut gathered[r * len..][..len]);
+            }
+            let mut back = ModelParams::<f32>::zeros(&cfg);
+            let mut dst =
+                if unit == 0 { globals_tensors_mut(&mut back) } else { back.layers[unit - 1].tensors_mut().into_iter().collect() };
+            plans[0].unpack(unit, &gathered, &mut dst);
+            let want = unit_tensors(&full, unit);
+            let got = unit_tensors(&back, unit);
+            assert_eq!(want, got, "unit {unit}");
+        }
+    }
+}
