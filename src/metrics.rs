@@ -107,9 +107,36 @@ impl PhaseTimes {
     }
 }
 
-/// `<out_dir>/timing/rank_<5 digits>.csv`: one row per step of this rank's phase times,
-/// communication time and bytes, and peak memory. Buffered; flushed every step (cheap, and a
-/// killed job keeps its log).
+/// The collectives every timing log has columns for, as `group.kind` (a group of degree 1
+/// never communicates, so its columns stay 0).
+pub const COLLECTIVES: [&str; 6] =
+    ["fsdp.all_gather", "fsdp.reduce_scatter", "fsdp.all_reduce", "dp_rep.all_reduce", "batch.all_reduce", "tp.all_reduce"];
+
+/// Bytes of model state one rank holds (high-water marks where they vary).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemoryStats {
+    /// Parameter, gradient and AdamW-moment shards (padding included).
+    pub param_bytes: usize,
+    pub grad_bytes: usize,
+    pub optim_bytes: usize,
+    /// Peak of gathered (unsharded) parameters.
+    pub gathered_peak_bytes: usize,
+    /// Whole-tensor gradient scratch (global tensors and one block) before reduce-scatter.
+    pub grad_scratch_bytes: usize,
+    /// Activations held between forward and backward.
+    pub activation_bytes: usize,
+}
+
+impl MemoryStats {
+    /// Everything but activations.
+    pub fn model_state_bytes(&self) -> usize {
+        self.param_bytes + self.grad_bytes + self.optim_bytes + self.gathered_peak_bytes + self.grad_scratch_bytes
+    }
+}
+
+/// `<out_dir>/timing/rank_<5 digits>.csv`: one row per step of this rank's phase times, the
+/// time and bytes of each collective (`COLLECTIVES`), model-state memory and peak RSS.
+/// Flushed every step (cheap, and a killed job keeps its log).
 pub struct TimingLog {
     out: BufWriter<File>,
 }
@@ -118,14 +145,41 @@ impl TimingLog {
     pub fn create(dir: &Path, rank: usize) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut out = BufWriter::new(File::create(dir.join(format!("rank_{rank:05}.csv")))?);
-        let phases: Vec<String> = PHASES.iter().map(|p| format!("{p}_s")).collect();
-        writeln!(out, "step,step_s,{},comm_bytes,activation_bytes,peak_rss_bytes", phases.join(","))?;
+        let mut cols = vec!["step".to_string(), "step_s".to_string()];
+        cols.extend(PHASES.iter().map(|p| format!("{p}_s")));
+        for c in COLLECTIVES {
+            cols.push(format!("{c}_s"));
+            cols.push(format!("{c}_bytes"));
+        }
+        cols.extend(
+            ["param_bytes", "grad_bytes", "optim_bytes", "gathered_peak_bytes", "grad_scratch_bytes", "activation_bytes", "peak_rss_bytes"]
+                .map(String::from),
+        );
+        writeln!(out, "{}", cols.join(","))?;
         Ok(TimingLog { out })
     }
 
-    pub fn append(&mut self, step: u64, step_s: f64, t: &PhaseTimes, comm_bytes: u64, activation_bytes: usize) -> std::io::Result<()> {
-        let phases: Vec<String> = t.0.iter().map(|x| format!("{x:.6e}")).collect();
-        writeln!(self.out, "{step},{step_s:.6e},{},{comm_bytes},{activation_bytes},{}", phases.join(","), peak_rss_bytes())?;
+    /// `comm` maps `group.kind` to its counters for this step.
+    pub fn append(
+        &mut self,
+        step: u64,
+        step_s: f64,
+        t: &PhaseTimes,
+        comm: &std::collections::BTreeMap<String, crate::comm::CommCount>,
+        mem: &MemoryStats,
+    ) -> std::io::Result<()> {
+        let mut row = vec![step.to_string(), format!("{step_s:.6e}")];
+        row.extend(t.0.iter().map(|x| format!("{x:.6e}")));
+        for c in COLLECTIVES {
+            let k = comm.get(c).copied().unwrap_or_default();
+            row.push(format!("{:.6e}", k.seconds));
+            row.push(k.bytes.to_string());
+        }
+        for v in [mem.param_bytes, mem.grad_bytes, mem.optim_bytes, mem.gathered_peak_bytes, mem.grad_scratch_bytes, mem.activation_bytes] {
+            row.push(v.to_string());
+        }
+        row.push(peak_rss_bytes().to_string());
+        writeln!(self.out, "{}", row.join(","))?;
         self.out.flush()
     }
 }

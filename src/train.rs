@@ -6,16 +6,18 @@
 //! group once per optimiser step (bucketing, overlap and FSDP sharding belong to the
 //! data-parallel issue). Knows nothing of MPI beyond the `comm::Group` calls.
 
+use crate::comm::CommCount;
 use crate::config::{ActCkpt, Resolved};
 use crate::data::{open_source, Loader};
 use crate::fsdp::{FsdpGrads, FsdpParams};
 use crate::mesh::Mesh;
-use crate::metrics::{flops_per_token, fmt_duration, MetricsCsv, PhaseTimes, StepRecord, TimingLog, PHASES};
+use crate::metrics::{flops_per_token, fmt_duration, MemoryStats, MetricsCsv, PhaseTimes, StepRecord, TimingLog, PHASES};
 use crate::model::params::ModelParams;
 use crate::model::{Model, Tokens};
 use crate::optim::{clip_coefficient, lr_at, AdamW};
 use crate::real::{matmul, Mat, MatMut};
 use crate::say;
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Instant;
 
@@ -75,6 +77,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     };
     let mut grads = FsdpGrads::new(mcfg, &mesh.fsdp, &mesh.dp_rep);
     let mut opt = AdamW::<f32>::for_slots(&params.plan.optimizer_slots(), ocfg);
+    let shard_bytes = params.plan.shard_elements() * 4;
     let n_params = crate::model::params::param_specs(mcfg).iter().map(|s| s.numel()).sum::<usize>();
     let mut model = Model::<f32>::new(mcfg, tcfg.activation_checkpointing);
 
@@ -160,8 +163,17 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         step_times.push(step_s);
         totals.add(&pt);
         losses.push(loss);
-        let comm_bytes: u64 = mesh.groups().iter().flat_map(|g| g.take_counts().into_values()).map(|c| c.bytes).sum();
-        timing.append(step + 1, step_s, &pt, comm_bytes, model.activation_bytes())?;
+        let comm: BTreeMap<String, CommCount> =
+            mesh.groups().iter().flat_map(|g| g.take_counts().into_iter().map(move |(k, c)| (format!("{}.{k}", g.name()), c))).collect();
+        let mem = MemoryStats {
+            param_bytes: shard_bytes,
+            grad_bytes: shard_bytes,
+            optim_bytes: 2 * shard_bytes,
+            gathered_peak_bytes: params.gathered_peak_bytes,
+            grad_scratch_bytes: grads.scratch_bytes(),
+            activation_bytes: model.activation_bytes(),
+        };
+        timing.append(step + 1, step_s, &pt, &comm, &mem)?;
         let elapsed = run_start.elapsed().as_secs_f64();
         let tps = tokens_per_step / step_s;
         let rec = StepRecord {
@@ -209,7 +221,6 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         say!("final loss {last:.4} vs entropy floor {f:.4} (gap {:.4})", last - f);
     }
     let act = model.activation_bytes();
-    let shard_bytes = params.plan.shard_elements() * 4;
     say!(
         "model state per rank: params {:.1} MiB + grads {:.1} MiB + AdamW {:.1} MiB; gathered peak {:.1} MiB; activations {:.1} MiB",
         shard_bytes as f64 / 1048576.0,

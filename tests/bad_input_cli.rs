@@ -82,3 +82,25 @@ fn runtime_error_aborts_every_rank() {
     let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
     assert_clean_failure("missing data file", &o, timed_out, "missing.bin");
 }
+
+/// Mesh errors are found on every rank before any communication: each rank prints the
+/// degrees and the world size, every rank exits non-zero, nothing hangs.
+#[test]
+fn mesh_errors_fail_on_every_rank() {
+    let cases: &[(&str, usize, &[&str], &str)] = &[
+        ("product is not the world", 4, &["parallel.dp_replicate=2", "parallel.dp_shard=4"], "but the job has 4 ranks"),
+        ("dp_shard = -1 cannot fill", 3, &["parallel.dp_replicate=2"], "dp_shard"),
+        ("degree does not divide the batch", 3, &["parallel.dp_shard=3"], "global_batch"),
+    ];
+    for (name, ranks, sets, want) in cases {
+        let mut cmd = Command::new("mpirun");
+        mpi_env(&mut cmd).args(["--oversubscribe", "-n", &ranks.to_string(), bin(), "train"]).arg(tiny_deck());
+        for s in *sets {
+            cmd.args(["--set", s]);
+        }
+        let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
+        assert_clean_failure(name, &o, timed_out, want);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(stderr.matches("error:").count(), *ranks, "{name}: every rank reports\n{}", text(&o));
+    }
+}

@@ -4,6 +4,7 @@
 mod common;
 use common::*;
 use ndtrain::config::Deck;
+use ndtrain::fsdp::{predicted_comm_bytes, ShardPlan};
 use std::path::Path;
 
 /// Per-step losses: layouts sum the same per-sample gradients in another order, in f32, and
@@ -18,6 +19,27 @@ const PARAM_TOL: f64 = 1e-4;
 
 const COMMON: &[&str] = &["run.steps=10", "run.threads=1", "optim.grad_clip=0.3", "optim.warmup_steps=2"];
 
+/// Checks every step's measured bytes per collective on rank 0 against the analytic formula.
+fn assert_bytes_match_formula(dir: &Path, name: &str, deck: &Deck, world: usize) {
+    let res = deck.resolve(world).unwrap();
+    let l = res.layout;
+    let plan = ShardPlan::new(&deck.model, l.dp_shard * l.cp, 0);
+    let want = predicted_comm_bytes(&plan, l.dp_replicate, l.dp(), res.grad_accum, deck.parallel.reshard_after_forward);
+    let csv = std::fs::read_to_string(dir.join(name).join("timing/rank_00000.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    for (i, line) in lines.enumerate() {
+        let row: Vec<&str> = line.split(',').collect();
+        for (col, value) in header.iter().zip(&row) {
+            if let Some(key) = col.strip_suffix("_bytes").filter(|k| k.contains('.')) {
+                let got: u64 = value.parse().unwrap();
+                let expect = want.get(key).copied().unwrap_or(0);
+                assert_eq!(got, expect, "{name}: step {} {key}: measured {got} bytes, formula {expect}", i + 1);
+            }
+        }
+    }
+}
+
 fn run(dir: &Path, name: &str, ranks: usize, layout: &[&str]) -> (Vec<f64>, ndtrain::model::params::ModelParams<f32>) {
     let export = dir.join(name).join("final_hf");
     let exp = format!("checkpoint.export_hf=\"{}\"", export.display());
@@ -27,7 +49,9 @@ fn run(dir: &Path, name: &str, ranks: usize, layout: &[&str]) -> (Vec<f64>, ndtr
     let (_, losses) = train_losses(dir, name, &tiny_deck(), Some(ranks), &sets);
     let norms = column(&dir.join(name), "grad_norm");
     assert!(norms.iter().all(|&n| n > 0.3), "{name}: clipping must be active in every step: {norms:?}");
-    let deck = Deck::from_file(&tiny_deck(), &[]).unwrap();
+    let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    let deck = Deck::from_file(&tiny_deck(), &owned).unwrap();
+    assert_bytes_match_formula(dir, name, &deck, ranks);
     let params = ndtrain::hf::load_params::<f32>(&export, &deck.model).expect("exported model loads");
     (losses, params)
 }
@@ -68,5 +92,38 @@ fn every_data_parallel_layout_matches_one_rank() {
     for (name, ranks, layout) in layouts {
         let other = run(dir.path(), &name.replace([' ', '='], "_"), *ranks, layout);
         assert_equivalent(name, &base, &other);
+    }
+}
+
+/// Sum of the model-state memory columns of a rank's last timing row.
+fn model_state_bytes(out: &Path, rank: usize) -> u64 {
+    let csv = std::fs::read_to_string(out.join(format!("timing/rank_{rank:05}.csv"))).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let last: Vec<&str> = lines.last().unwrap().split(',').collect();
+    ["param_bytes", "grad_bytes", "optim_bytes", "gathered_peak_bytes", "grad_scratch_bytes"]
+        .iter()
+        .map(|c| last[header.iter().position(|h| h == c).unwrap()].parse::<u64>().unwrap())
+        .sum()
+}
+
+/// FSDP over 4 ranks holds a quarter of the parameters, gradients and moments, plus the
+/// gathered globals and one block and the gradient scratch: ≤ 0.30 of one rank's model state
+/// on a deck deep enough (24 blocks) for those buffers not to dominate.
+const FSDP4_STATE_RATIO: f64 = 0.30;
+
+#[test]
+fn fsdp_four_ranks_hold_a_quarter_of_the_model_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["run.steps=2", "run.threads=1", "model.n_layers=24", "optim.warmup_steps=0"];
+    train_losses(dir.path(), "one", &tiny_deck(), Some(1), &sets);
+    let mut sharded = sets.to_vec();
+    sharded.push("parallel.dp_shard=4");
+    train_losses(dir.path(), "fsdp4", &tiny_deck(), Some(4), &sharded);
+    let one = model_state_bytes(&dir.path().join("one"), 0) as f64;
+    for rank in 0..4 {
+        let r = model_state_bytes(&dir.path().join("fsdp4"), rank) as f64 / one;
+        eprintln!("FSDP=4 rank {rank}: model state {:.3} of one rank's ({one} bytes)", r);
+        assert!(r <= FSDP4_STATE_RATIO, "rank {rank}: {r:.3} of the one-rank model state");
     }
 }
