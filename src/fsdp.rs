@@ -453,6 +453,33 @@ impl GradSink<f32> for FsdpGrads<'_> {
     }
 }
 
+/// Bytes each collective moves per optimiser step on one rank, by the counting convention of
+/// `comm` (the input of an all-reduce or reduce-scatter, the output of an all-gather), keyed
+/// `group.kind`. Per micro-step, ZeRO-3 gathers the global tensors once and every block twice
+/// (once with `reshard_after_forward = false`) and reduce-scatters every unit once; the outer
+/// all-reduce over `dp_rep` runs once per step; the loss, the token count and the norm are
+/// 8-byte scalars. Groups of degree 1 move nothing.
+pub fn predicted_comm_bytes(plan: &ShardPlan, dp_rep: usize, batch: usize, grad_accum: usize, reshard: bool) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let (n, ga) = (plan.degree as u64, grad_accum as u64);
+    let unit = |u: &Unit| u.shard_len as u64 * 4;
+    let globals = unit(&plan.units[0]);
+    let blocks: u64 = plan.units[1..].iter().map(unit).sum();
+    if n > 1 {
+        let gathers = if reshard { 2 } else { 1 };
+        out.insert("fsdp.all_gather".into(), ga * (globals + gathers * blocks) * n);
+        out.insert("fsdp.reduce_scatter".into(), ga * (globals + blocks) * n);
+        out.insert("fsdp.all_reduce".into(), 8);
+    }
+    if dp_rep > 1 {
+        out.insert("dp_rep.all_reduce".into(), globals + blocks);
+    }
+    if batch > 1 {
+        out.insert("batch.all_reduce".into(), 16);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -497,31 +524,4 @@ mod tests {
             assert_eq!(want, got, "unit {unit}");
         }
     }
-}
-
-/// Bytes each collective moves per optimiser step on one rank, by the counting convention of
-/// `comm` (the input of an all-reduce or reduce-scatter, the output of an all-gather), keyed
-/// `group.kind`. Per micro-step, ZeRO-3 gathers the global tensors once and every block twice
-/// (once with `reshard_after_forward = false`) and reduce-scatters every unit once; the outer
-/// all-reduce over `dp_rep` runs once per step; the loss, the token count and the norm are
-/// 8-byte scalars. Groups of degree 1 move nothing.
-pub fn predicted_comm_bytes(plan: &ShardPlan, dp_rep: usize, batch: usize, grad_accum: usize, reshard: bool) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    let (n, ga) = (plan.degree as u64, grad_accum as u64);
-    let unit = |u: &Unit| u.shard_len as u64 * 4;
-    let globals = unit(&plan.units[0]);
-    let blocks: u64 = plan.units[1..].iter().map(unit).sum();
-    if n > 1 {
-        let gathers = if reshard { 2 } else { 1 };
-        out.insert("fsdp.all_gather".into(), ga * (globals + gathers * blocks) * n);
-        out.insert("fsdp.reduce_scatter".into(), ga * (globals + blocks) * n);
-        out.insert("fsdp.all_reduce".into(), 8);
-    }
-    if dp_rep > 1 {
-        out.insert("dp_rep.all_reduce".into(), globals + blocks);
-    }
-    if batch > 1 {
-        out.insert("batch.all_reduce".into(), 16);
-    }
-    out
 }
