@@ -7,9 +7,12 @@
 
 use mpi::collective::{CommunicatorCollectives, SystemOperation};
 use mpi::datatype::Equivalence;
+use mpi::ffi;
+use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
+use std::ffi::c_void;
 use std::time::Instant;
 
 /// MPI for the life of the program; finalises on drop.
@@ -64,6 +67,45 @@ fn install_abort_on_panic() {
             abort(1);
         }
     }));
+}
+
+/// A non-blocking collective in flight. It owns its buffers, so nothing can read or write
+/// them before it completes; dropping it waits for completion.
+pub struct Pending {
+    request: ffi::MPI_Request,
+    send: Vec<f32>,
+    recv: Vec<f32>,
+    done: bool,
+    kind: &'static str,
+    bytes: usize,
+}
+
+impl Pending {
+    fn new(kind: &'static str, bytes: usize, send: Vec<f32>, recv: Vec<f32>) -> Pending {
+        // SAFETY: reading the MPI_REQUEST_NULL handle constant.
+        let request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        Pending { request, send, recv, done: false, kind, bytes }
+    }
+
+    fn completed(kind: &'static str, bytes: usize, send: Vec<f32>, recv: Vec<f32>) -> Pending {
+        let mut p = Pending::new(kind, bytes, send, recv);
+        p.done = true;
+        p
+    }
+
+    fn finish(&mut self) {
+        if !self.done {
+            // SAFETY: `request` is a live request of this process; MPI_Wait completes it.
+            unsafe { ffi::MPI_Wait(&mut self.request, ffi::RSMPI_STATUS_IGNORE) };
+            self.done = true;
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.finish();
+    }
 }
 
 /// Calls, bytes and seconds of one collective kind on one group.
@@ -177,6 +219,80 @@ impl Group {
         let start = Instant::now();
         self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum());
         self.record("reduce_scatter", std::mem::size_of_val(send), start);
+    }
+
+    /// Starts a non-blocking all-gather of `send` into `recv` (`[size][send.len()]`). The
+    /// buffers move into the returned [`Pending`] and come back from [`Group::wait`].
+    pub fn start_all_gather_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Pending {
+        assert_eq!(recv.len(), send.len() * self.size, "all_gather: recv must hold size × send");
+        let bytes = std::mem::size_of_val(&recv[..]);
+        if self.size == 1 {
+            recv.copy_from_slice(&send);
+            return Pending::completed("all_gather", bytes, send, recv);
+        }
+        let mut p = Pending::new("all_gather", bytes, send, recv);
+        // SAFETY: the buffers are owned by `p` and not touched until the request completes
+        // (in `wait`, or in `Drop`); a Vec's heap storage does not move when the Vec does.
+        unsafe {
+            ffi::MPI_Iallgather(
+                p.send.as_ptr() as *const c_void,
+                p.send.len() as i32,
+                ffi::RSMPI_FLOAT,
+                p.recv.as_mut_ptr() as *mut c_void,
+                p.send.len() as i32,
+                ffi::RSMPI_FLOAT,
+                self.comm.as_raw(),
+                &mut p.request,
+            );
+        }
+        p
+    }
+
+    /// Starts a non-blocking element-wise sum of `buf` across the group; the sum comes back
+    /// as the second buffer of [`Group::wait`].
+    pub fn start_all_reduce_sum_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Pending {
+        assert_eq!(recv.len(), send.len(), "all_reduce: buffers differ in length");
+        let bytes = std::mem::size_of_val(&send[..]);
+        if self.size == 1 {
+            recv.copy_from_slice(&send);
+            return Pending::completed("all_reduce", bytes, send, recv);
+        }
+        let mut p = Pending::new("all_reduce", bytes, send, recv);
+        // SAFETY: as in `start_all_gather_f32`.
+        unsafe {
+            ffi::MPI_Iallreduce(
+                p.send.as_ptr() as *const c_void,
+                p.recv.as_mut_ptr() as *mut c_void,
+                p.send.len() as i32,
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                self.comm.as_raw(),
+                &mut p.request,
+            );
+        }
+        p
+    }
+
+    /// Lets MPI progress `p` without blocking; true once it has completed.
+    pub fn test(&self, p: &mut Pending) -> bool {
+        if !p.done {
+            let mut flag = 0;
+            // SAFETY: `p.request` is a live request of this process.
+            unsafe { ffi::MPI_Test(&mut p.request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+            p.done = flag != 0;
+        }
+        p.done
+    }
+
+    /// Completes `p`, counting the time spent blocked here (the exposed part of the
+    /// collective) and its bytes; returns `(send, recv)`.
+    pub fn wait(&self, mut p: Pending) -> (Vec<f32>, Vec<f32>) {
+        let start = Instant::now();
+        p.finish();
+        if self.size > 1 {
+            self.record(p.kind, p.bytes, start);
+        }
+        (std::mem::take(&mut p.send), std::mem::take(&mut p.recv))
     }
 
     /// Minimum and maximum of one value across the group (for run summaries).

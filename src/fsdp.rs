@@ -15,7 +15,7 @@
 //! `finish_step` all-reduces the shards over `dp_rep`. With degree 1 the same code holds the
 //! whole model and every collective is a no-op. Knows nothing of attention or data.
 
-use crate::comm::Group;
+use crate::comm::{Group, Pending};
 use crate::config::ModelCfg;
 use crate::model::params::{init_value, param_specs, LayerParams, ModelParams};
 use crate::model::{Globals, GlobalsMut, GradSink, WeightSource};
@@ -171,6 +171,9 @@ pub struct FsdpParams<'g> {
     blocks: Vec<Option<LayerParams<f32>>>,
     spare: Vec<LayerParams<f32>>,
     gather_buf: Vec<f32>,
+    /// The next block's all-gather, started while the current block computes.
+    prefetch: Option<(usize, Pending)>,
+    send_buf: Vec<f32>,
     gathered_bytes: usize,
     /// High-water mark of gathered (unsharded) parameter bytes.
     pub gathered_peak_bytes: usize,
@@ -191,6 +194,8 @@ impl<'g> FsdpParams<'g> {
             blocks: (0..cfg.n_layers).map(|_| None).collect(),
             spare: vec![],
             gather_buf: vec![],
+            prefetch: None,
+            send_buf: vec![],
             gathered_bytes: 0,
             gathered_peak_bytes: 0,
         }
@@ -228,6 +233,43 @@ impl<'g> FsdpParams<'g> {
         self.fsdp.all_gather_f32(&self.shards[unit], &mut self.gather_buf);
     }
 
+    /// Starts gathering block `l` in the background, unless it is there or on its way.
+    fn start_prefetch(&mut self, l: usize) {
+        if l >= self.blocks.len() || self.blocks[l].is_some() || self.prefetch.is_some() {
+            return;
+        }
+        let unit = l + 1;
+        let mut send = std::mem::take(&mut self.send_buf);
+        send.clear();
+        send.extend_from_slice(&self.shards[unit]);
+        let mut recv = std::mem::take(&mut self.gather_buf);
+        recv.resize(self.plan.units[unit].shard_len * self.plan.degree, 0.0);
+        self.prefetch = Some((l, self.fsdp.start_all_gather_f32(send, recv)));
+    }
+
+    /// Lets a prefetch in flight progress (MPI moves non-blocking collectives only inside MPI calls).
+    fn progress(&mut self) {
+        if let Some((_, p)) = self.prefetch.as_mut() {
+            self.fsdp.test(p);
+        }
+    }
+
+    /// Completes the prefetch of block `l` into `gather_buf`; false if none was in flight.
+    fn finish_prefetch(&mut self, l: usize) -> bool {
+        match self.prefetch.take() {
+            Some((pl, p)) if pl == l => {
+                let (send, recv) = self.fsdp.wait(p);
+                self.send_buf = send;
+                self.gather_buf = recv;
+                true
+            }
+            other => {
+                self.prefetch = other;
+                false
+            }
+        }
+    }
+
     fn track(&mut self, delta: isize) {
         self.gathered_bytes = (self.gathered_bytes as isize + delta) as usize;
         self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes);
@@ -251,6 +293,11 @@ impl<'g> FsdpParams<'g> {
 
     /// Frees the global tensors after backward.
     pub fn end_micro_step(&mut self) {
+        if let Some((_, p)) = self.prefetch.take() {
+            let (send, recv) = self.fsdp.wait(p);
+            self.send_buf = send;
+            self.gather_buf = recv;
+        }
         if self.globals.take().is_some() {
             self.track(-((self.plan.units[0].shard_len * self.plan.degree * 4) as isize));
         }
@@ -297,15 +344,27 @@ impl WeightSource<f32> for FsdpParams<'_> {
                 Some(b) => b,
                 None => ModelParams::<f32>::zeros(&ModelCfg { n_layers: 1, ..self.cfg.clone() }).layers.remove(0),
             };
-            self.gather_unit(l + 1);
+            if !self.finish_prefetch(l) {
+                self.gather_unit(l + 1);
+            }
             self.plan.unpack(l + 1, &self.gather_buf, &mut buf.tensors_mut());
             self.track((self.plan.units[l + 1].shard_len * self.plan.degree * 4) as isize);
             self.blocks[l] = Some(buf);
+        }
+        // Overlap: the block the model will ask for next is gathered while this one computes.
+        match self.pass {
+            Pass::Forward => self.start_prefetch(l + 1),
+            Pass::Backward => {
+                if l > 0 {
+                    self.start_prefetch(l - 1)
+                }
+            }
         }
         self.blocks[l].as_ref().expect("just gathered")
     }
 
     fn block_done(&mut self, l: usize) {
+        self.progress();
         if self.pass == Pass::Forward && !self.reshard_after_forward {
             return;
         }
@@ -328,6 +387,12 @@ pub struct FsdpGrads<'g> {
     current: Option<usize>,
     pack_buf: Vec<f32>,
     recv_buf: Vec<f32>,
+    /// True in the step's last micro-step: each unit's outer all-reduce starts as soon as its
+    /// reduce-scatter is done, while backward continues on earlier blocks.
+    last_micro: bool,
+    /// Per unit: the `dp_rep` all-reduce in flight, and the spare buffer it will return.
+    inflight: Vec<Option<Pending>>,
+    spare: Vec<Vec<f32>>,
 }
 
 impl<'g> FsdpGrads<'g> {
@@ -344,6 +409,31 @@ impl<'g> FsdpGrads<'g> {
             current: None,
             pack_buf: vec![],
             recv_buf: vec![],
+            last_micro: false,
+            inflight: (0..=cfg.n_layers).map(|_| None).collect(),
+            spare: (0..=cfg.n_layers).map(|_| vec![]).collect(),
+        }
+    }
+
+    /// Declares whether the coming backward is the step's last micro-step.
+    pub fn begin_micro_step(&mut self, last: bool) {
+        self.last_micro = last;
+    }
+
+    /// Starts unit `unit`'s outer all-reduce (its shard is final for this step).
+    fn start_outer_reduce(&mut self, unit: usize) {
+        if self.dp_rep.size() == 1 {
+            return;
+        }
+        let send = std::mem::take(&mut self.shards[unit]);
+        let mut recv = std::mem::take(&mut self.spare[unit]);
+        recv.resize(send.len(), 0.0);
+        self.inflight[unit] = Some(self.dp_rep.start_all_reduce_sum_f32(send, recv));
+    }
+
+    fn progress(&mut self) {
+        for p in self.inflight.iter_mut().flatten() {
+            self.dp_rep.test(p);
         }
     }
 
@@ -376,12 +466,21 @@ impl<'g> FsdpGrads<'g> {
         }
     }
 
-    /// After the step's last micro-step: sum the shards across `dp_rep` (HSDP's outer
-    /// reduction, or DP's all-reduce when `fsdp` has degree 1).
+    /// After the step's last micro-step: completes the sum of the shards across `dp_rep`
+    /// (HSDP's outer reduction, or DP's all-reduce when `fsdp` has degree 1), started bucket
+    /// by bucket during that micro-step's backward.
     pub fn finish_step(&mut self) {
-        for s in self.shards.iter_mut() {
-            self.dp_rep.all_reduce_sum_f32(s);
+        for unit in 0..self.shards.len() {
+            if self.inflight[unit].is_none() && self.dp_rep.size() > 1 {
+                self.start_outer_reduce(unit);
+            }
+            if let Some(p) = self.inflight[unit].take() {
+                let (send, recv) = self.dp_rep.wait(p);
+                self.shards[unit] = recv;
+                self.spare[unit] = send;
+            }
         }
+        self.last_micro = false;
     }
 
     /// Bytes of whole-tensor gradient scratch (global tensors and one block).
@@ -437,6 +536,10 @@ impl GradSink<f32> for FsdpGrads<'_> {
         }
         self.block = block;
         self.current = None;
+        if self.last_micro {
+            self.start_outer_reduce(l + 1);
+        }
+        self.progress();
     }
 
     fn globals_done(&mut self) {
@@ -450,6 +553,9 @@ impl GradSink<f32> for FsdpGrads<'_> {
         }
         globals_tensors_mut(&mut g).into_iter().for_each(|t| t.iter_mut().for_each(|x| *x = 0.0));
         self.globals = g;
+        if self.last_micro {
+            self.start_outer_reduce(0);
+        }
     }
 }
 

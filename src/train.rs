@@ -131,6 +131,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             let t1 = Instant::now();
             let tok = Tokens { inputs: &batch.inputs, targets: &batch.targets, positions: &positions, batch: mb, seq: s };
             params.begin_micro_step();
+            grads.begin_micro_step(micro + 1 == ga);
             loss_sum += model.forward_with(&mut params, &tok);
             let t2 = Instant::now();
             params.begin_backward();
