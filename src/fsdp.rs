@@ -270,9 +270,12 @@ impl<'g> FsdpParams<'g> {
         }
     }
 
+    /// Tracks unpacked (gathered) bytes; the peak also counts the gather buffers, which hold a
+    /// prefetched block while another is in use.
     fn track(&mut self, delta: isize) {
         self.gathered_bytes = (self.gathered_bytes as isize + delta) as usize;
-        self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes);
+        let buffers = (self.gather_buf.capacity() + self.send_buf.capacity()) * 4;
+        self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes + buffers);
     }
 
     /// Gathers the global tensors for a micro-step and enters the forward pass.
