@@ -165,6 +165,8 @@ pub struct FsdpParams<'g> {
     /// `[unit][shard_len]`: what this rank owns and updates.
     pub shards: Vec<Vec<f32>>,
     pub reshard_after_forward: bool,
+    /// Prefetch the next block's all-gather while the current one computes.
+    pub overlap: bool,
     pass: Pass,
     /// Unit 0 gathered (only its global tensors are allocated), during a micro-step.
     globals: Option<ModelParams<f32>>,
@@ -189,6 +191,7 @@ impl<'g> FsdpParams<'g> {
             cfg: cfg.clone(),
             shards,
             reshard_after_forward,
+            overlap: true,
             pass: Pass::Forward,
             globals: None,
             blocks: (0..cfg.n_layers).map(|_| None).collect(),
@@ -235,7 +238,7 @@ impl<'g> FsdpParams<'g> {
 
     /// Starts gathering block `l` in the background, unless it is there or on its way.
     fn start_prefetch(&mut self, l: usize) {
-        if l >= self.blocks.len() || self.blocks[l].is_some() || self.prefetch.is_some() {
+        if !self.overlap || l >= self.blocks.len() || self.blocks[l].is_some() || self.prefetch.is_some() {
             return;
         }
         let unit = l + 1;

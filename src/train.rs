@@ -75,6 +75,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         say!("init_from: {}", dir.display());
         FsdpParams::from_full(&crate::hf::load_params(dir, mcfg)?, mcfg, &mesh.fsdp, reshard)
     };
+    params.overlap = deck.parallel.overlap;
     let mut grads = FsdpGrads::new(mcfg, &mesh.fsdp, &mesh.dp_rep);
     let mut opt = AdamW::<f32>::for_slots(&params.plan.optimizer_slots(), ocfg);
     let shard_bytes = params.plan.shard_elements() * 4;
@@ -131,7 +132,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             let t1 = Instant::now();
             let tok = Tokens { inputs: &batch.inputs, targets: &batch.targets, positions: &positions, batch: mb, seq: s };
             params.begin_micro_step();
-            grads.begin_micro_step(micro + 1 == ga);
+            grads.begin_micro_step(deck.parallel.overlap && micro + 1 == ga);
             loss_sum += model.forward_with(&mut params, &tok);
             let t2 = Instant::now();
             params.begin_backward();

@@ -127,3 +127,16 @@ fn fsdp_four_ranks_hold_a_quarter_of_the_model_state() {
         assert!(r <= FSDP4_STATE_RATIO, "rank {rank}: {r:.3} of the one-rank model state");
     }
 }
+
+/// Overlapping communication changes when collectives run, not what they compute: losses are
+/// bitwise those of the blocking schedule.
+#[test]
+fn overlap_changes_nothing_but_timing() {
+    let dir = tempfile::tempdir().unwrap();
+    let hsdp = ["run.steps=4", "run.threads=1", "parallel.dp_replicate=2", "parallel.dp_shard=2", "optim.warmup_steps=0"];
+    let (on, _) = train_losses(dir.path(), "on", &tiny_deck(), Some(4), &hsdp);
+    let mut off_sets = hsdp.to_vec();
+    off_sets.push("parallel.overlap=false");
+    let (off, _) = train_losses(dir.path(), "off", &tiny_deck(), Some(4), &off_sets);
+    assert_eq!(on, off);
+}

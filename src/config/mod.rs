@@ -128,11 +128,15 @@ pub struct ParallelCfg {
     pub sequence_parallel: bool,
     /// FSDP: free gathered block parameters after forward (ZeRO-3) or keep them for backward.
     pub reshard_after_forward: bool,
+    /// Overlap communication with compute: prefetch the next block's all-gather and start each
+    /// bucket's gradient all-reduce during backward. `false` runs them blocking (for measuring
+    /// how much the overlap hides).
+    pub overlap: bool,
 }
 
 impl Default for ParallelCfg {
     fn default() -> Self {
-        ParallelCfg { dp_replicate: 1, dp_shard: -1, cp: 1, tp: 1, sequence_parallel: false, reshard_after_forward: true }
+        ParallelCfg { dp_replicate: 1, dp_shard: -1, cp: 1, tp: 1, sequence_parallel: false, reshard_after_forward: true, overlap: true }
     }
 }
 
