@@ -1,10 +1,9 @@
 //! The training loop: micro-steps with gradient accumulation, the global-batch loss, gradient
 //! reduction, clipping, the schedule and AdamW, and the logs of each step.
 //!
-//! Receives the resolved deck and the mesh; composes the model, the data loader and the
-//! optimiser. Data parallelism here is plain: gradients are SUM-reduced over the `batch`
-//! group once per optimiser step (bucketing, overlap and FSDP sharding belong to the
-//! data-parallel issue). Knows nothing of MPI beyond the `comm::Group` calls.
+//! Receives the resolved deck and the mesh; composes the model, the sharded model state
+//! (`fsdp`: DP, FSDP and HSDP are its degrees), the data loader and the optimiser. Knows
+//! nothing of MPI beyond the `comm::Group` calls.
 
 use crate::comm::CommCount;
 use crate::config::{ActCkpt, Resolved};
