@@ -186,11 +186,13 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
 /// Parts of the deck that later issues implement are refused clearly rather than ignored.
 fn check_supported(res: &crate::config::Resolved) -> Result<(), String> {
     let l = &res.layout;
-    if l.tp > 1 || l.cp > 1 {
-        return Err(format!(
-            "[parallel] cp({}) tp({}): context and tensor parallelism are not implemented yet; data parallelism (dp_replicate, dp_shard) is\nHINT: set cp = 1 and tp = 1",
-            l.cp, l.tp
-        ));
+    if l.cp > 1 {
+        return Err(format!("[parallel] cp({}): context parallelism is not implemented yet\nHINT: set cp = 1", l.cp));
+    }
+    if res.deck.parallel.sequence_parallel {
+        return Err(
+            "[parallel] sequence_parallel = true: sequence parallelism is not implemented yet\nHINT: set sequence_parallel = false".into(),
+        );
     }
     let c = &res.deck.checkpoint;
     if c.every > 0 || !c.resume.is_empty() {

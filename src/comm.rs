@@ -190,6 +190,11 @@ impl Group {
         self.all_reduce_in_place(buf, SystemOperation::sum());
     }
 
+    /// Element-wise maximum across the group, in place.
+    pub fn all_reduce_max_f32(&self, buf: &mut [f32]) {
+        self.all_reduce_in_place(buf, SystemOperation::max());
+    }
+
     /// Element-wise maximum across the group, in place (agreement on flags and errors).
     pub fn all_reduce_max_u64(&self, buf: &mut [u64]) {
         self.all_reduce_in_place(buf, SystemOperation::max());

@@ -16,8 +16,7 @@
 //! whole model and every collective is a no-op. Knows nothing of attention or data.
 
 use crate::comm::{Group, Pending};
-use crate::config::ModelCfg;
-use crate::model::params::{init_value, param_specs, LayerParams, ModelParams};
+use crate::model::params::{init_value, param_specs_local, Dims, LayerParams, ModelParams, TpSplit};
 use crate::model::{Globals, GlobalsMut, GradSink, WeightSource};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -35,6 +34,8 @@ pub struct TensorShard {
     /// Offset of this tensor's block in the unit's flat shard.
     pub offset: usize,
     pub decayed: bool,
+    /// Held whole by every tp rank (norm weights): counted once in the global norm.
+    pub tp_replicated: bool,
 }
 
 impl TensorShard {
@@ -65,9 +66,10 @@ pub struct ShardPlan {
 }
 
 impl ShardPlan {
-    pub fn new(cfg: &ModelCfg, degree: usize, rank: usize) -> ShardPlan {
-        let mut units: Vec<Unit> = (0..=cfg.n_layers).map(|_| Unit { tensors: vec![], shard_len: 0 }).collect();
-        for (i, spec) in param_specs(cfg).into_iter().enumerate() {
+    /// The plan for this tp rank's tensors (`m`) over an fsdp group of `degree` ranks.
+    pub fn new(m: &Dims, degree: usize, rank: usize) -> ShardPlan {
+        let mut units: Vec<Unit> = (0..=m.layers).map(|_| Unit { tensors: vec![], shard_len: 0 }).collect();
+        for (i, spec) in param_specs_local(m).into_iter().enumerate() {
             let unit = spec
                 .name
                 .strip_prefix("model.layers.")
@@ -86,6 +88,7 @@ impl ShardPlan {
                 rows_per_rank,
                 offset: u.shard_len,
                 decayed: spec.decayed(),
+                tp_replicated: spec.split == TpSplit::Replicated,
             };
             u.shard_len += t.shard_len();
             u.tensors.push(t);
@@ -161,7 +164,7 @@ pub enum Pass {
 pub struct FsdpParams<'g> {
     pub plan: ShardPlan,
     fsdp: &'g Group,
-    cfg: ModelCfg,
+    m: Dims,
     /// `[unit][shard_len]`: what this rank owns and updates.
     pub shards: Vec<Vec<f32>>,
     pub reshard_after_forward: bool,
@@ -182,19 +185,19 @@ pub struct FsdpParams<'g> {
 }
 
 impl<'g> FsdpParams<'g> {
-    fn empty(cfg: &ModelCfg, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
-        let plan = ShardPlan::new(cfg, fsdp.size(), fsdp.rank());
+    fn empty(m: &Dims, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
+        let plan = ShardPlan::new(m, fsdp.size(), fsdp.rank());
         let shards = plan.units.iter().map(|u| vec![0.0; u.shard_len]).collect();
         FsdpParams {
             plan,
             fsdp,
-            cfg: cfg.clone(),
+            m: m.clone(),
             shards,
             reshard_after_forward,
             overlap: true,
             pass: Pass::Forward,
             globals: None,
-            blocks: (0..cfg.n_layers).map(|_| None).collect(),
+            blocks: (0..m.layers).map(|_| None).collect(),
             spare: vec![],
             gather_buf: vec![],
             prefetch: None,
@@ -205,25 +208,25 @@ impl<'g> FsdpParams<'g> {
     }
 
     /// The seeded initial model; each rank generates only the rows it owns.
-    pub fn init(cfg: &ModelCfg, seed: u64, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
-        let mut p = Self::empty(cfg, fsdp, reshard_after_forward);
-        let specs = param_specs(cfg);
+    pub fn init(m: &Dims, seed: u64, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
+        let mut p = Self::empty(m, fsdp, reshard_after_forward);
+        let specs = param_specs_local(m);
         for (unit, shard) in p.plan.units.iter().zip(p.shards.iter_mut()) {
             for t in &unit.tensors {
                 let rows = t.owned_rows(p.plan.rank);
                 let dst = &mut shard[t.offset..][..rows.len() * t.cols];
                 let first = (rows.start * t.cols) as u64;
                 for (i, x) in dst.iter_mut().enumerate() {
-                    *x = init_value(seed, &specs[t.spec_index], cfg.n_layers, first + i as u64) as f32;
+                    *x = init_value(seed, &specs[t.spec_index], m.layers, first + i as u64) as f32;
                 }
             }
         }
         p
     }
 
-    /// Takes this rank's shards of a model held whole (e.g. imported from Hugging Face).
-    pub fn from_full(full: &ModelParams<f32>, cfg: &ModelCfg, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
-        let mut p = Self::empty(cfg, fsdp, reshard_after_forward);
+    /// Takes this rank's shards of a model held whole in this tp rank's shapes.
+    pub fn from_full(full: &ModelParams<f32>, m: &Dims, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
+        let mut p = Self::empty(m, fsdp, reshard_after_forward);
         for u in 0..p.plan.units.len() {
             p.plan.pack(u, &unit_tensors(full, u), p.plan.rank, &mut p.shards[u]);
         }
@@ -285,7 +288,7 @@ impl<'g> FsdpParams<'g> {
     pub fn begin_micro_step(&mut self) {
         self.pass = Pass::Forward;
         if self.globals.is_none() {
-            let mut g = ModelParams::<f32>::zeros(&ModelCfg { n_layers: 0, ..self.cfg.clone() });
+            let mut g = ModelParams::<f32>::zeros_local(&Dims { layers: 0, ..self.m.clone() });
             self.gather_unit(0);
             self.plan.unpack(0, &self.gather_buf, &mut globals_tensors_mut(&mut g));
             self.track((self.plan.units[0].shard_len * self.plan.degree * 4) as isize);
@@ -310,10 +313,10 @@ impl<'g> FsdpParams<'g> {
         debug_assert!(self.blocks.iter().all(|b| b.is_none()), "every block is freed after backward");
     }
 
-    /// The whole model, gathered on every rank of the `fsdp` group (for an export or a test;
-    /// training never needs it).
+    /// This tp rank's whole tensors, gathered on every rank of the `fsdp` group (for an export
+    /// or a test; training never needs them).
     pub fn gather_full(&mut self) -> ModelParams<f32> {
-        let mut full = ModelParams::<f32>::zeros(&self.cfg);
+        let mut full = ModelParams::<f32>::zeros_local(&self.m);
         for unit in 0..self.plan.units.len() {
             self.gather_unit(unit);
             let mut dst =
@@ -348,7 +351,7 @@ impl WeightSource<f32> for FsdpParams<'_> {
         if self.blocks[l].is_none() {
             let mut buf = match self.spare.pop() {
                 Some(b) => b,
-                None => ModelParams::<f32>::zeros(&ModelCfg { n_layers: 1, ..self.cfg.clone() }).layers.remove(0),
+                None => LayerParams::zeros(&self.m),
             };
             if !self.finish_prefetch(l) {
                 self.gather_unit(l + 1);
@@ -402,22 +405,22 @@ pub struct FsdpGrads<'g> {
 }
 
 impl<'g> FsdpGrads<'g> {
-    pub fn new(cfg: &ModelCfg, fsdp: &'g Group, dp_rep: &'g Group) -> Self {
-        let plan = ShardPlan::new(cfg, fsdp.size(), fsdp.rank());
+    pub fn new(m: &Dims, fsdp: &'g Group, dp_rep: &'g Group) -> Self {
+        let plan = ShardPlan::new(m, fsdp.size(), fsdp.rank());
         let shards = plan.units.iter().map(|u| vec![0.0; u.shard_len]).collect();
         FsdpGrads {
             plan,
             fsdp,
             dp_rep,
             shards,
-            globals: ModelParams::zeros(&ModelCfg { n_layers: 0, ..cfg.clone() }),
-            block: ModelParams::<f32>::zeros(&ModelCfg { n_layers: 1, ..cfg.clone() }).layers.remove(0),
+            globals: ModelParams::zeros_local(&Dims { layers: 0, ..m.clone() }),
+            block: LayerParams::zeros(m),
             current: None,
             pack_buf: vec![],
             recv_buf: vec![],
             last_micro: false,
-            inflight: (0..=cfg.n_layers).map(|_| None).collect(),
-            spare: (0..=cfg.n_layers).map(|_| vec![]).collect(),
+            inflight: (0..=m.layers).map(|_| None).collect(),
+            spare: (0..=m.layers).map(|_| vec![]).collect(),
         }
     }
 
@@ -497,9 +500,16 @@ impl<'g> FsdpGrads<'g> {
         (g + b) * 4
     }
 
-    /// This rank's part of the squared global norm (padding is zero and adds nothing).
-    pub fn local_sq_sum(&self) -> f64 {
-        self.shards.iter().flat_map(|s| s.iter()).map(|&x| (x as f64) * (x as f64)).sum()
+    /// This rank's part of the squared global norm (padding is zero and adds nothing). A
+    /// tensor every tp rank holds whole is counted by tp rank 0 only (`count_replicated`).
+    pub fn local_sq_sum(&self, count_replicated: bool) -> f64 {
+        let mut sum = 0.0;
+        for (unit, shard) in self.plan.units.iter().zip(&self.shards) {
+            for t in unit.tensors.iter().filter(|t| count_replicated || !t.tp_replicated) {
+                sum += shard[t.offset..][..t.shard_len()].iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+            }
+        }
+        sum
     }
 
     pub fn scale(&mut self, coef: f64) {
@@ -595,13 +605,15 @@ pub fn predicted_comm_bytes(plan: &ShardPlan, dp_rep: usize, batch: usize, grad_
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ModelCfg;
 
     #[test]
     fn shards_tile_every_tensor_exactly() {
         let cfg = ModelCfg { vocab_size: 257, ..ModelCfg::default() };
+        let m = Dims::full(&cfg);
         for degree in [1, 2, 3, 4, 7] {
-            let plan = ShardPlan::new(&cfg, degree, 0);
-            let specs = param_specs(&cfg);
+            let plan = ShardPlan::new(&m, degree, 0);
+            let specs = param_specs_local(&m);
             let mut seen = vec![0usize; specs.len()];
             for u in &plan.units {
                 for t in &u.tensors {
@@ -620,7 +632,7 @@ mod tests {
         let cfg = ModelCfg { vocab_size: 37, d_model: 16, n_heads: 4, n_kv_heads: 2, ffn_hidden: 24, ..ModelCfg::default() };
         let full = ModelParams::<f32>::init(&cfg, 9);
         let degree = 3;
-        let plans: Vec<ShardPlan> = (0..degree).map(|r| ShardPlan::new(&cfg, degree, r)).collect();
+        let plans: Vec<ShardPlan> = (0..degree).map(|r| ShardPlan::new(&Dims::full(&cfg), degree, r)).collect();
         for unit in 0..plans[0].units.len() {
             let len = plans[0].units[unit].shard_len;
             let mut gathered = vec![0.0; len * degree];

@@ -15,4 +15,5 @@ pub mod model;
 pub mod optim;
 pub mod real;
 pub mod rng;
+pub mod tp;
 pub mod train;

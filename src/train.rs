@@ -11,7 +11,7 @@ use crate::data::{open_source, Loader};
 use crate::fsdp::{FsdpGrads, FsdpParams};
 use crate::mesh::Mesh;
 use crate::metrics::{flops_per_token, fmt_duration, MemoryStats, MetricsCsv, PhaseTimes, StepRecord, TimingLog, PHASES};
-use crate::model::params::ModelParams;
+use crate::model::params::{Dims, ModelParams};
 use crate::model::{Model, Tokens};
 use crate::optim::{clip_coefficient, lr_at, AdamW};
 use crate::real::{matmul, Mat, MatMut};
@@ -65,21 +65,25 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let (s, mb, ga) = (tcfg.seq_len, tcfg.micro_batch, res.grad_accum);
 
     // Model state: this rank's shards (the whole model when the fsdp degree is 1).
+    // Tensors are first cut for tensor parallelism (this tp rank's piece: `dims`), then
+    // sharded over fsdp.
     let reshard = deck.parallel.reshard_after_forward;
+    let dims = Dims::new(mcfg, mesh.tp.size(), mesh.tp.rank());
     let mut params = if deck.checkpoint.init_from.is_empty() {
-        FsdpParams::init(mcfg, deck.run.seed, &mesh.fsdp, reshard)
+        FsdpParams::init(&dims, deck.run.seed, &mesh.fsdp, reshard)
     } else {
         let dir = Path::new(&deck.checkpoint.init_from);
         crate::hf::check_config(dir, mcfg)?;
         say!("init_from: {}", dir.display());
-        FsdpParams::from_full(&crate::hf::load_params(dir, mcfg)?, mcfg, &mesh.fsdp, reshard)
+        let whole = crate::hf::load_params(dir, mcfg)?;
+        FsdpParams::from_full(&crate::tp::local_from_global(&whole, &dims), &dims, &mesh.fsdp, reshard)
     };
     params.overlap = deck.parallel.overlap;
-    let mut grads = FsdpGrads::new(mcfg, &mesh.fsdp, &mesh.dp_rep);
+    let mut grads = FsdpGrads::new(&dims, &mesh.fsdp, &mesh.dp_rep);
     let mut opt = AdamW::<f32>::for_slots(&params.plan.optimizer_slots(), ocfg);
     let shard_bytes = params.plan.shard_elements() * 4;
     let n_params = crate::model::params::param_specs(mcfg).iter().map(|s| s.numel()).sum::<usize>();
-    let mut model = Model::<f32>::new(mcfg, tcfg.activation_checkpointing);
+    let mut model = Model::<f32>::new_local(dims.clone(), tcfg.activation_checkpointing);
 
     // Data.
     let source = open_source(&deck.data, mcfg.vocab_size, deck.run.seed)?;
@@ -132,10 +136,10 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             let tok = Tokens { inputs: &batch.inputs, targets: &batch.targets, positions: &positions, batch: mb, seq: s };
             params.begin_micro_step();
             grads.begin_micro_step(deck.parallel.overlap && micro + 1 == ga);
-            loss_sum += model.forward_with(&mut params, &tok);
+            loss_sum += model.forward_with(&mut params, &tok, &mesh.tp);
             let t2 = Instant::now();
             params.begin_backward();
-            model.backward_with(&mut params, &mut grads, loss_scale);
+            model.backward_with(&mut params, &mut grads, loss_scale, &mesh.tp);
             params.end_micro_step();
             let t3 = Instant::now();
             pt.0[0] += (t1 - t0).as_secs_f64();
@@ -149,8 +153,9 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         grads.finish_step();
         // Global norm from the shards' squares, reduced once over the fsdp group (every dp_rep
         // replica already holds the same reduced shards).
-        let mut sq = [grads.local_sq_sum()];
+        let mut sq = [grads.local_sq_sum(mesh.tp.rank() == 0)];
         mesh.fsdp.all_reduce_sum_f64(&mut sq);
+        mesh.tp.all_reduce_sum_f64(&mut sq);
         pt.0[3] += t_comm.elapsed().as_secs_f64();
 
         let t_opt = Instant::now();
@@ -230,7 +235,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         params.gathered_peak_bytes as f64 / 1048576.0,
         act as f64 / 1048576.0
     );
-    let final_params = params.gather_full();
+    let final_params = crate::tp::global_from_local(&params.gather_full(), mcfg, &mesh.tp);
     if !deck.checkpoint.export_hf.is_empty() && rank == 0 {
         let dir = Path::new(&deck.checkpoint.export_hf);
         crate::hf::save_params(dir, mcfg, &final_params)?;

@@ -170,36 +170,52 @@ pub fn swiglu_bwd<T: Real>(dgate: &mut [T], dup: &mut [T], dh: &[T], gate: &[T],
         });
 }
 
-/// Cross entropy forward over rows of `logits [N, V]`: saves each row's log-sum-exp in
-/// `lse [N]` and returns the sum over rows of `lse − logit[target]`, accumulated in f64.
-pub fn cross_entropy_fwd<T: Real>(lse: &mut [T], logits: &[T], targets: &[u32], v: usize) -> f64 {
-    lse.par_chunks_mut(ROWS_PER_TASK)
-        .zip(logits.par_chunks(v * ROWS_PER_TASK))
-        .zip(targets.par_chunks(ROWS_PER_TASK))
-        .map(|((lse, logits), targets)| {
-            let mut sum = 0.0f64;
-            for ((l, row), &t) in lse.iter_mut().zip(logits.chunks(v)).zip(targets) {
-                let m = row.iter().fold(T::NEG_INFINITY, |a, &b| a.max(b));
-                let s: T = row.iter().map(|&x| (x - m).exp()).sum();
-                *l = m + s.ln();
-                sum += (*l - row[t as usize]).to_f64();
-            }
-            sum
-        })
-        .collect::<Vec<f64>>()
-        .into_iter()
-        .sum()
+/// Cross entropy, part 1: the maximum of each row of `logits [N, V_local]` over its first
+/// `valid` columns (the rest is vocabulary padding). Overwrites `m [N]`.
+pub fn row_max<T: Real>(m: &mut [T], logits: &[T], v: usize, valid: usize) {
+    m.par_chunks_mut(ROWS_PER_TASK).zip(logits.par_chunks(v * ROWS_PER_TASK)).for_each(|(m, rows)| {
+        for (mi, row) in m.iter_mut().zip(rows.chunks(v)) {
+            *mi = row[..valid].iter().fold(T::NEG_INFINITY, |a, &b| a.max(b));
+        }
+    });
 }
 
-/// Cross entropy backward, in place: `logits` becomes `dlogits = scale · (softmax − onehot)`.
-pub fn cross_entropy_bwd_inplace<T: Real>(logits: &mut [T], lse: &[T], targets: &[u32], v: usize, scale: T) {
+/// Cross entropy, part 2: `s[n] = Σ_j exp(logits[n, j] − m[n])` over the valid columns.
+pub fn row_sum_exp<T: Real>(s: &mut [T], logits: &[T], m: &[T], v: usize, valid: usize) {
+    s.par_chunks_mut(ROWS_PER_TASK).zip(logits.par_chunks(v * ROWS_PER_TASK)).zip(m.par_chunks(ROWS_PER_TASK)).for_each(
+        |((s, rows), m)| {
+            for ((si, row), &mi) in s.iter_mut().zip(rows.chunks(v)).zip(m) {
+                *si = row[..valid].iter().map(|&x| (x - mi).exp()).sum();
+            }
+        },
+    );
+}
+
+/// Cross entropy, part 3: the target's logit where this rank holds the target's vocabulary
+/// row (`offset ≤ target < offset + valid`), else 0. Overwrites `t [N]`.
+pub fn target_logit<T: Real>(t: &mut [T], logits: &[T], targets: &[u32], v: usize, offset: usize, valid: usize) {
+    for ((ti, row), &tg) in t.iter_mut().zip(logits.chunks(v)).zip(targets) {
+        let local = (tg as usize).wrapping_sub(offset);
+        *ti = if local < valid { row[local] } else { T::ZERO };
+    }
+}
+
+/// Cross entropy backward, in place: `logits` becomes `dlogits = scale · (softmax − onehot)`
+/// with `lse [N]` the log-sum-exp over the whole vocabulary; padding columns get 0.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_bwd_inplace<T: Real>(logits: &mut [T], lse: &[T], targets: &[u32], v: usize, offset: usize, valid: usize, scale: T) {
     logits.par_chunks_mut(v * ROWS_PER_TASK).zip(lse.par_chunks(ROWS_PER_TASK)).zip(targets.par_chunks(ROWS_PER_TASK)).for_each(
         |((rows, lse), targets)| {
             for ((row, &l), &t) in rows.chunks_mut(v).zip(lse).zip(targets) {
-                for x in row.iter_mut() {
+                let (real, pad) = row.split_at_mut(valid);
+                for x in real.iter_mut() {
                     *x = (*x - l).exp() * scale;
                 }
-                row[t as usize] -= scale;
+                pad.iter_mut().for_each(|x| *x = T::ZERO);
+                let local = (t as usize).wrapping_sub(offset);
+                if local < valid {
+                    real[local] -= scale;
+                }
             }
         },
     );

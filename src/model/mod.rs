@@ -17,7 +17,7 @@ use crate::config::{ActCkpt, ModelCfg};
 use crate::real::{linear_bwd_input, linear_bwd_weight, linear_fwd, Real};
 use attention::{attention_bwd, attention_fwd, AttnDims};
 use kernels::*;
-use params::{LayerParams, ModelParams};
+use params::{Dims, LayerParams, ModelParams};
 
 /// The tensors outside the blocks, as the model reads them.
 pub struct Globals<'a, T> {
@@ -72,6 +72,21 @@ impl<T: Real> GradSink<T> for ModelParams<T> {
     }
 }
 
+/// The tensor-parallel collectives the model calls, over the `tp` group. Each call site in the
+/// model names its backward conjugate.
+pub trait TpComm<T> {
+    fn all_reduce_sum(&self, buf: &mut [T]);
+    fn all_reduce_max(&self, buf: &mut [T]);
+}
+
+/// One rank holds every head and the whole vocabulary: the collectives are identities.
+pub struct NoTp;
+
+impl<T> TpComm<T> for NoTp {
+    fn all_reduce_sum(&self, _buf: &mut [T]) {}
+    fn all_reduce_max(&self, _buf: &mut [T]) {}
+}
+
 /// The tokens of one micro-batch.
 #[derive(Clone, Copy, Debug)]
 pub struct Tokens<'a> {
@@ -103,9 +118,9 @@ struct BlockActs<T> {
 }
 
 impl<T: Real> BlockActs<T> {
-    fn alloc(cfg: &ModelCfg, n: usize, input_only: bool) -> Self {
-        let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
-        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+    fn alloc(m: &Dims, n: usize, input_only: bool) -> Self {
+        let (d, f, hd) = (m.d, m.ffn, m.hd);
+        let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
         let z = |len: usize| vec![T::ZERO; len];
         if input_only {
             return BlockActs { x: z(n * d), ..Default::default() };
@@ -118,7 +133,7 @@ impl<T: Real> BlockActs<T> {
             k: z(n * kvd),
             v: z(n * kvd),
             att: z(n * qd),
-            lse: z(n * cfg.n_heads),
+            lse: z(n * m.heads),
             att_tok: z(n * qd),
             x1: z(n * d),
             rstd2: z(n),
@@ -171,9 +186,9 @@ struct BlockGrads<T> {
 }
 
 impl<T: Real> BlockGrads<T> {
-    fn alloc(cfg: &ModelCfg, n: usize) -> Self {
-        let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
-        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+    fn alloc(m: &Dims, n: usize) -> Self {
+        let (d, f, hd) = (m.d, m.ffn, m.hd);
+        let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
         let z = |len: usize| vec![T::ZERO; len];
         BlockGrads {
             dx1: z(n * d),
@@ -195,10 +210,10 @@ impl<T: Real> BlockGrads<T> {
 
 /// The decoder and the activations of its last forward.
 pub struct Model<T> {
-    cfg: ModelCfg,
+    m: Dims,
     ckpt: ActCkpt,
     /// (B, S) the buffers are sized for.
-    dims: (usize, usize),
+    bs: (usize, usize),
     positions: Vec<usize>,
     targets: Vec<u32>,
     inputs: Vec<u32>,
@@ -209,20 +224,30 @@ pub struct Model<T> {
     /// With `full`: one block's activations, recomputed in backward.
     scratch: BlockActs<T>,
     grads: BlockGrads<T>,
-    x_final: Vec<T>, // [N, D] output of the last block
-    rstd_f: Vec<T>,  // [N]
-    xf: Vec<T>,      // [N, D] after the final norm
-    logits: Vec<T>,  // [N, V]; dlogits in place after backward
-    lse_ce: Vec<T>,  // [N] log-sum-exp of each logits row
-    dx: Vec<T>,      // [N, D] gradient of the residual stream
+    x_final: Vec<T>,   // [N, D] output of the last block
+    rstd_f: Vec<T>,    // [N]
+    xf: Vec<T>,        // [N, D] after the final norm
+    logits: Vec<T>,    // [N, V]; dlogits in place after backward
+    lse_ce: Vec<T>,    // [N] log-sum-exp of each logits row (over the whole vocabulary)
+    ce_max: Vec<T>,    // [N] row maxima (scratch)
+    ce_target: Vec<T>, // [N] target logits (scratch)
+    dx: Vec<T>,        // [N, D] gradient of the residual stream
 }
 
 impl<T: Real> Model<T> {
+    /// The whole model on one rank.
     pub fn new(cfg: &ModelCfg, ckpt: ActCkpt) -> Self {
+        Self::new_local(Dims::full(cfg), ckpt)
+    }
+
+    /// One tensor-parallel rank's piece of the model (`Dims::new(cfg, tp, tp_rank)`).
+    pub fn new_local(m: Dims, ckpt: ActCkpt) -> Self {
         Model {
-            cfg: cfg.clone(),
+            m,
+            ce_max: vec![],
+            ce_target: vec![],
             ckpt,
-            dims: (0, 0),
+            bs: (0, 0),
             positions: vec![],
             targets: vec![],
             inputs: vec![],
@@ -241,22 +266,24 @@ impl<T: Real> Model<T> {
     }
 
     fn ensure_buffers(&mut self, b: usize, s: usize) {
-        if self.dims == (b, s) {
+        if self.bs == (b, s) {
             return;
         }
         let n = b * s;
-        let (d, v) = (self.cfg.d_model, self.cfg.vocab_size);
+        let (d, v) = (self.m.d, self.m.vocab);
         let input_only = self.ckpt == ActCkpt::Full;
-        self.saved = (0..self.cfg.n_layers).map(|_| BlockActs::alloc(&self.cfg, n, input_only)).collect();
-        self.scratch = if input_only { BlockActs::alloc(&self.cfg, n, false) } else { BlockActs::default() };
-        self.grads = BlockGrads::alloc(&self.cfg, n);
+        self.saved = (0..self.m.layers).map(|_| BlockActs::alloc(&self.m, n, input_only)).collect();
+        self.scratch = if input_only { BlockActs::alloc(&self.m, n, false) } else { BlockActs::default() };
+        self.grads = BlockGrads::alloc(&self.m, n);
+        self.ce_max = vec![T::ZERO; n];
+        self.ce_target = vec![T::ZERO; n];
         self.x_final = vec![T::ZERO; n * d];
         self.rstd_f = vec![T::ZERO; n];
         self.xf = vec![T::ZERO; n * d];
         self.logits = vec![T::ZERO; n * v];
         self.lse_ce = vec![T::ZERO; n];
         self.dx = vec![T::ZERO; n * d];
-        self.dims = (b, s);
+        self.bs = (b, s);
     }
 
     /// Bytes of activation memory this model holds between forward and backward (saved
@@ -272,7 +299,7 @@ impl<T: Real> Model<T> {
             + per(&self.lse_ce)
     }
 
-    /// Logits `[N, V]` of the last forward (before backward overwrites them).
+    /// Logits `[N, V_local]` of the last forward (before backward overwrites them).
     pub fn logits(&self) -> &[T] {
         &self.logits
     }
@@ -280,25 +307,26 @@ impl<T: Real> Model<T> {
     /// Forward of one micro-batch with weights held whole. Returns the SUM over its tokens of
     /// the cross-entropy loss.
     pub fn forward(&mut self, params: &ModelParams<T>, tok: &Tokens) -> f64 {
-        self.forward_with(&mut &*params, tok)
+        self.forward_with(&mut &*params, tok, &NoTp)
     }
 
     /// Backward of the last forward with weights and gradients held whole; ACCUMULATES (`+=`)
     /// into `grads`. `loss_scale` is `dloss/dloss_token` (1 / the global number of targets).
     pub fn backward(&mut self, params: &ModelParams<T>, grads: &mut ModelParams<T>, loss_scale: T) {
-        self.backward_with(&mut &*params, grads, loss_scale)
+        self.backward_with(&mut &*params, grads, loss_scale, &NoTp)
     }
 
     /// Forward of one micro-batch, asking `w` for each block's weights when it needs them.
     /// Returns the SUM over its tokens of the cross-entropy loss.
-    pub fn forward_with<W: WeightSource<T>>(&mut self, w: &mut W, tok: &Tokens) -> f64 {
+    /// Tensor-parallel collectives go through `tp` (`NoTp` on one rank).
+    pub fn forward_with<W: WeightSource<T>>(&mut self, w: &mut W, tok: &Tokens, tp: &dyn TpComm<T>) -> f64 {
         let (b, s) = (tok.batch, tok.seq);
         assert_eq!(tok.inputs.len(), b * s, "inputs must be [B*S]");
         assert_eq!(tok.targets.len(), b * s, "targets must be [B*S]");
         assert_eq!(tok.positions.len(), s, "positions must be [S]");
         self.ensure_buffers(b, s);
         if self.positions != tok.positions {
-            let (c, sn) = rope_tables(tok.positions, self.cfg.head_dim(), self.cfg.rope_theta);
+            let (c, sn) = rope_tables(tok.positions, self.m.hd, self.m.rope_theta);
             self.rope_cos = c;
             self.rope_sin = sn;
             self.positions = tok.positions.to_vec();
@@ -307,14 +335,21 @@ impl<T: Real> Model<T> {
         self.inputs.extend_from_slice(tok.inputs);
         self.targets.clear();
         self.targets.extend_from_slice(tok.targets);
-        let (d, v, nl) = (self.cfg.d_model, self.cfg.vocab_size, self.cfg.n_layers);
-        let ctx = BlockCtx { cfg: &self.cfg, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s };
+        let (d, v, nl) = (self.m.d, self.m.vocab, self.m.layers);
+        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, tp };
 
-        // Embedding: x[n] = E[token[n]].
+        // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp.
+        let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
         let x0 = if nl > 0 { &mut self.saved[0].x } else { &mut self.x_final };
         for (row, &t) in x0.chunks_mut(d).zip(tok.inputs) {
-            row.copy_from_slice(&w.globals().embed_tokens[t as usize * d..][..d]);
+            let local = (t as usize).wrapping_sub(off);
+            if local < valid {
+                row.copy_from_slice(&w.globals().embed_tokens[local * d..][..d]);
+            } else {
+                row.iter_mut().for_each(|x| *x = T::ZERO);
+            }
         }
+        tp.all_reduce_sum(x0); // backward: identity (dx is replicated)
         for l in 0..nl {
             let (saved_l, rest) = self.saved[l..].split_first_mut().expect("layer exists");
             let acts = if self.ckpt == ActCkpt::Full {
@@ -331,23 +366,37 @@ impl<T: Real> Model<T> {
             w.block_done(l);
         }
         let g = w.globals();
-        // Final norm, output projection, loss.
-        rmsnorm_fwd(&mut self.xf, &mut self.rstd_f, &self.x_final, g.norm, d, self.cfg.norm_eps);
+        // Final norm, output projection [N, V_local], vocab-parallel cross entropy: the row
+        // maximum, the sum of exponentials and the target logit are each reduced across tp, so
+        // the whole logits row never exists on one rank.
+        rmsnorm_fwd(&mut self.xf, &mut self.rstd_f, &self.x_final, g.norm, d, self.m.norm_eps);
         linear_fwd(&mut self.logits, &self.xf, g.output, b * s, v, d, false);
-        cross_entropy_fwd(&mut self.lse_ce, &self.logits, &self.targets, v)
+        row_max(&mut self.ce_max, &self.logits, v, valid);
+        tp.all_reduce_max(&mut self.ce_max);
+        row_sum_exp(&mut self.lse_ce, &self.logits, &self.ce_max, v, valid);
+        tp.all_reduce_sum(&mut self.lse_ce);
+        target_logit(&mut self.ce_target, &self.logits, &self.targets, v, off, valid);
+        tp.all_reduce_sum(&mut self.ce_target);
+        let mut loss = 0.0f64;
+        for ((lse, &m), &t) in self.lse_ce.iter_mut().zip(&self.ce_max).zip(&self.ce_target) {
+            *lse = m + lse.ln();
+            loss += (*lse - t).to_f64();
+        }
+        loss
     }
 
     /// Backward of the last forward, with `dloss/dloss_token = loss_scale` for every token.
     /// ACCUMULATES (`+=`) into the gradients `gs` hands out; tells `gs` when each block's and
     /// finally the global tensors' gradients of this micro-batch are complete.
-    pub fn backward_with<W: WeightSource<T>, G: GradSink<T>>(&mut self, w: &mut W, gs: &mut G, loss_scale: T) {
-        let (b, s) = self.dims;
+    pub fn backward_with<W: WeightSource<T>, G: GradSink<T>>(&mut self, w: &mut W, gs: &mut G, loss_scale: T, tp: &dyn TpComm<T>) {
+        let (b, s) = self.bs;
         let n = b * s;
-        let (d, v, nl) = (self.cfg.d_model, self.cfg.vocab_size, self.cfg.n_layers);
-        let ctx = BlockCtx { cfg: &self.cfg, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s };
+        let (d, v, nl) = (self.m.d, self.m.vocab, self.m.layers);
+        let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
+        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, tp };
 
-        // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V].
-        cross_entropy_bwd_inplace(&mut self.logits, &self.lse_ce, &self.targets, v, loss_scale);
+        // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V_local].
+        cross_entropy_bwd_inplace(&mut self.logits, &self.lse_ce, &self.targets, v, off, valid, loss_scale);
         {
             let (g, dg) = (w.globals(), gs.globals_mut());
             let dw_out = match dg.lm_head {
@@ -357,6 +406,7 @@ impl<T: Real> Model<T> {
             linear_bwd_weight(dw_out, &self.logits, &self.xf, n, v, d, true);
             let mut dxf = std::mem::take(&mut self.grads.dxn); // [N, D]
             linear_bwd_input(&mut dxf, &self.logits, g.output, n, v, d, false);
+            tp.all_reduce_sum(&mut dxf); // conjugate of the replicated xf feeding every vocab shard
             rmsnorm_bwd(&mut self.dx, dg.norm, &dxf, &self.x_final, g.norm, &self.rstd_f, d, false);
             self.grads.dxn = dxf;
         }
@@ -378,11 +428,14 @@ impl<T: Real> Model<T> {
             w.block_done(l);
             gs.block_done(l);
         }
-        // Embedding: dE[token[n]] += dx[n].
+        // Embedding: dE[token[n]] += dx[n] for the rows this rank holds.
         let de = gs.globals_mut().embed_tokens;
         for (row, &t) in self.dx.chunks(d).zip(&self.inputs) {
-            for (g, &x) in de[t as usize * d..][..d].iter_mut().zip(row) {
-                *g += x;
+            let local = (t as usize).wrapping_sub(off);
+            if local < valid {
+                for (g, &x) in de[local * d..][..d].iter_mut().zip(row) {
+                    *g += x;
+                }
             }
         }
         gs.globals_done();
@@ -391,7 +444,8 @@ impl<T: Real> Model<T> {
 
 /// What every block of one micro-batch shares.
 struct BlockCtx<'a, T> {
-    cfg: &'a ModelCfg,
+    m: &'a Dims,
+    tp: &'a dyn TpComm<T>,
     cos: &'a [T], // [S, hd/2]
     sin: &'a [T], // [S, hd/2]
     pos: &'a [usize],
@@ -401,7 +455,7 @@ struct BlockCtx<'a, T> {
 
 impl<T> BlockCtx<'_, T> {
     fn attn_dims(&self) -> AttnDims {
-        AttnDims { b: self.b, h: self.cfg.n_heads, kv: self.cfg.n_kv_heads, sq: self.s, sk: self.s, hd: self.cfg.head_dim() }
+        AttnDims { b: self.b, h: self.m.heads, kv: self.m.kv_heads, sq: self.s, sk: self.s, hd: self.m.hd }
     }
 }
 
@@ -409,13 +463,13 @@ impl<T> BlockCtx<'_, T> {
 /// `out = x1 + down(silu(gate(n2(x1))) · up(n2(x1)))`. Fills `a` (its `x` is the input) and
 /// overwrites `out [N, D]`; `g` lends its projection scratch.
 fn block_fwd<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T>, g: &mut BlockGrads<T>, out: &mut [T]) {
-    let cfg = ctx.cfg;
+    let m = ctx.m;
     let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
-    let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
-    let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+    let (d, f, hd) = (m.d, m.ffn, m.hd);
+    let (nh, nkv) = (m.heads, m.kv_heads);
     let rope = Some((ctx.cos, ctx.sin));
 
-    rmsnorm_fwd(&mut a.xn1, &mut a.rstd1, &a.x, &w.input_layernorm, d, cfg.norm_eps);
+    rmsnorm_fwd(&mut a.xn1, &mut a.rstd1, &a.x, &w.input_layernorm, d, m.norm_eps);
     linear_fwd(&mut g.q_tok, &a.xn1, &w.q_proj, n, nh * hd, d, false);
     to_heads_rope(&mut a.q, &g.q_tok, b, s, nh, hd, rope);
     linear_fwd(&mut g.kv_tok, &a.xn1, &w.k_proj, n, nkv * hd, d, false);
@@ -425,13 +479,15 @@ fn block_fwd<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T
     attention_fwd(&mut a.att, &mut a.lse, &a.q, &a.k, &a.v, ctx.pos, ctx.pos, ctx.attn_dims());
     from_heads_rope(&mut a.att_tok, &a.att, b, s, nh, hd, None);
     linear_fwd(&mut a.x1, &a.att_tok, &w.o_proj, n, d, nh * hd, false);
+    ctx.tp.all_reduce_sum(&mut a.x1); // row-parallel o_proj; backward: identity
     add_assign(&mut a.x1, &a.x);
 
-    rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, cfg.norm_eps);
+    rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, m.norm_eps);
     linear_fwd(&mut a.gate, &a.xn2, &w.gate_proj, n, f, d, false);
     linear_fwd(&mut a.up, &a.xn2, &w.up_proj, n, f, d, false);
     swiglu_fwd(&mut a.h, &a.gate, &a.up);
     linear_fwd(out, &a.h, &w.down_proj, n, d, f, false);
+    ctx.tp.all_reduce_sum(out); // row-parallel down_proj; backward: identity
     add_assign(out, &a.x1);
 }
 
@@ -445,10 +501,10 @@ fn block_bwd<T: Real>(
     g: &mut BlockGrads<T>,
     dx: &mut [T],
 ) {
-    let cfg = ctx.cfg;
+    let m = ctx.m;
     let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
-    let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
-    let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+    let (d, f, hd) = (m.d, m.ffn, m.hd);
+    let (nh, nkv) = (m.heads, m.kv_heads);
     let rope = Some((ctx.cos, ctx.sin));
 
     // MLP: out = x1 + down(h).
@@ -459,7 +515,8 @@ fn block_bwd<T: Real>(
     linear_bwd_weight(&mut dw.up_proj, &g.dup, &a.xn2, n, f, d, true);
     linear_bwd_input(&mut g.dxn, &g.dgate, &w.gate_proj, n, f, d, false);
     linear_bwd_input(&mut g.dxn, &g.dup, &w.up_proj, n, f, d, true);
-    // dx1 = dout (residual) + norm2 backward.
+    ctx.tp.all_reduce_sum(&mut g.dxn); // conjugate of the replicated xn2 feeding column-parallel gate/up
+                                       // dx1 = dout (residual) + norm2 backward.
     g.dx1.copy_from_slice(dx);
     rmsnorm_bwd(&mut g.dx1, &mut dw.post_attention_layernorm, &g.dxn, &a.x1, &w.post_attention_layernorm, &a.rstd2, d, true);
 
@@ -478,7 +535,8 @@ fn block_bwd<T: Real>(
     from_heads_rope(&mut g.dkv_tok, &g.dv, b, s, nkv, hd, None);
     linear_bwd_weight(&mut dw.v_proj, &g.dkv_tok, &a.xn1, n, nkv * hd, d, true);
     linear_bwd_input(&mut g.dxn, &g.dkv_tok, &w.v_proj, n, nkv * hd, d, true);
-    // dx = dx1 (residual) + norm1 backward.
+    ctx.tp.all_reduce_sum(&mut g.dxn); // conjugate of the replicated xn1 feeding column-parallel q/k/v
+                                       // dx = dx1 (residual) + norm1 backward.
     dx.copy_from_slice(&g.dx1);
     rmsnorm_bwd(dx, &mut dw.input_layernorm, &g.dxn, &a.x, &w.input_layernorm, &a.rstd1, d, true);
 }

@@ -1,10 +1,15 @@
-//! The model's parameters: Hugging Face names and shapes, and layout-independent initialisation.
+//! The model's parameters: Hugging Face names and shapes, their tensor-parallel pieces, and
+//! layout-independent initialisation.
 //!
 //! `ModelParams<T>` is used for the weights and, with the same shapes, for their gradients and
-//! the AdamW moments. Shapes are `[out, in]` row-major as in PyTorch. Knows nothing of sharding:
-//! a parallel strategy hands the model a full (or gathered) set of these tensors.
+//! the AdamW moments. Shapes are `[out, in]` row-major as in PyTorch. Under tensor parallelism
+//! a rank holds the TP-local piece of each tensor (`Dims`): `q, k, v, gate, up` and the
+//! vocabulary tensors split by rows (output features), `o, down` by columns (input features),
+//! norm weights replicated. Knows nothing of FSDP sharding: a strategy hands the model a whole
+//! (or gathered) set of these tensors.
 //!
-//! Legend: `V` vocab, `D` d_model, `H` heads, `KV` kv heads, `hd` head dim, `F` ffn hidden.
+//! Legend: `V` vocab, `D` d_model, `H` heads, `KV` kv heads, `hd` head dim, `F` ffn hidden;
+//! `_local` = divided by the tp degree.
 
 use crate::config::ModelCfg;
 use crate::real::Real;
@@ -44,12 +49,87 @@ pub enum ParamKind {
     Norm,
 }
 
-/// Name, shape and kind of one parameter tensor.
+/// The sizes of one rank's copy of the model: the deck's `[model]`, divided by the tp degree
+/// where tensor parallelism splits it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dims {
+    /// Vocabulary rows on this rank: `ceil(V / tp)` (the last rank's rows past `V` are padding).
+    pub vocab: usize,
+    /// The deck's vocabulary size.
+    pub vocab_global: usize,
+    /// First global vocabulary row this rank holds.
+    pub vocab_offset: usize,
+    pub d: usize,
+    pub layers: usize,
+    /// Query heads on this rank (`H_local`).
+    pub heads: usize,
+    /// Key/value heads on this rank (`KV_local`).
+    pub kv_heads: usize,
+    pub hd: usize,
+    /// FFN hidden features on this rank (`F_local`).
+    pub ffn: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    pub tie: bool,
+    pub tp: usize,
+    pub tp_rank: usize,
+}
+
+impl Dims {
+    /// This rank's sizes; the deck is already validated (`tp` divides the heads and the FFN).
+    pub fn new(cfg: &ModelCfg, tp: usize, tp_rank: usize) -> Dims {
+        let vocab = cfg.vocab_size.div_ceil(tp);
+        Dims {
+            vocab,
+            vocab_global: cfg.vocab_size,
+            vocab_offset: tp_rank * vocab,
+            d: cfg.d_model,
+            layers: cfg.n_layers,
+            heads: cfg.n_heads / tp,
+            kv_heads: cfg.n_kv_heads / tp,
+            hd: cfg.head_dim(),
+            ffn: cfg.ffn_hidden / tp,
+            rope_theta: cfg.rope_theta,
+            norm_eps: cfg.norm_eps,
+            tie: cfg.tie_embeddings,
+            tp,
+            tp_rank,
+        }
+    }
+
+    /// The whole model on one rank.
+    pub fn full(cfg: &ModelCfg) -> Dims {
+        Dims::new(cfg, 1, 0)
+    }
+
+    /// Vocabulary rows of this rank that are real tokens (the rest is padding).
+    pub fn vocab_valid(&self) -> usize {
+        self.vocab_global.saturating_sub(self.vocab_offset).min(self.vocab)
+    }
+}
+
+/// How tensor parallelism cuts a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpSplit {
+    /// Every tp rank holds the whole tensor (norm weights).
+    Replicated,
+    /// Split by rows (output features; the vocabulary, padded to a multiple of `tp`).
+    Rows,
+    /// Split by columns (input features).
+    Cols,
+}
+
+/// Name, shapes and kind of one parameter tensor, and which piece of it this rank holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamSpec {
     pub name: String,
+    /// The shape this rank holds.
     pub shape: Vec<usize>,
+    /// The logical (Hugging Face) shape.
+    pub global_shape: Vec<usize>,
     pub kind: ParamKind,
+    pub split: TpSplit,
+    pub tp_rank: usize,
 }
 
 impl ParamSpec {
@@ -60,30 +140,60 @@ impl ParamSpec {
     pub fn decayed(&self) -> bool {
         self.kind != ParamKind::Norm
     }
+
+    /// Row-major index in the logical tensor of local element `local`; `None` for a padding
+    /// row of the vocabulary.
+    pub fn global_index(&self, local: usize) -> Option<usize> {
+        let cols = self.shape.get(1).copied().unwrap_or(1);
+        let (row, col) = (local / cols, local % cols);
+        let gcols = self.global_shape.get(1).copied().unwrap_or(1);
+        match self.split {
+            TpSplit::Replicated => Some(local),
+            TpSplit::Rows => {
+                let grow = self.tp_rank * self.shape[0] + row;
+                (grow < self.global_shape[0]).then_some(grow * gcols + col)
+            }
+            TpSplit::Cols => Some(row * gcols + self.tp_rank * cols + col),
+        }
+    }
 }
 
-/// Every parameter of the model in a fixed order (the order of the `visit` methods).
+/// Every parameter of the whole model in a fixed order (the order of `tensors()`).
 pub fn param_specs(cfg: &ModelCfg) -> Vec<ParamSpec> {
-    let (v, d, f) = (cfg.vocab_size, cfg.d_model, cfg.ffn_hidden);
-    let hd = cfg.head_dim();
-    let (q, kv) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
-    let spec = |name: String, shape: Vec<usize>, kind| ParamSpec { name, shape, kind };
-    let mut out = vec![spec("model.embed_tokens.weight".into(), vec![v, d], ParamKind::Matrix)];
-    for i in 0..cfg.n_layers {
+    param_specs_local(&Dims::full(cfg))
+}
+
+/// Every parameter as this tp rank holds it, in the order of `tensors()`.
+pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
+    let (d, tp) = (m.d, m.tp);
+    let (q, kv, f) = (m.heads * m.hd, m.kv_heads * m.hd, m.ffn);
+    let vg = m.vocab_global;
+    let spec = |name: String, shape: Vec<usize>, split: TpSplit, kind| {
+        let global_shape = match split {
+            TpSplit::Replicated => shape.clone(),
+            TpSplit::Rows if name.contains("embed_tokens") || name.starts_with("lm_head") => vec![vg, shape[1]],
+            TpSplit::Rows => vec![shape[0] * tp, shape[1]],
+            TpSplit::Cols => vec![shape[0], shape[1] * tp],
+        };
+        ParamSpec { name, shape, global_shape, kind, split, tp_rank: m.tp_rank }
+    };
+    use TpSplit::*;
+    let mut out = vec![spec("model.embed_tokens.weight".into(), vec![m.vocab, d], Rows, ParamKind::Matrix)];
+    for i in 0..m.layers {
         let p = format!("model.layers.{i}.");
-        out.push(spec(format!("{p}input_layernorm.weight"), vec![d], ParamKind::Norm));
-        out.push(spec(format!("{p}self_attn.q_proj.weight"), vec![q, d], ParamKind::Matrix));
-        out.push(spec(format!("{p}self_attn.k_proj.weight"), vec![kv, d], ParamKind::Matrix));
-        out.push(spec(format!("{p}self_attn.v_proj.weight"), vec![kv, d], ParamKind::Matrix));
-        out.push(spec(format!("{p}self_attn.o_proj.weight"), vec![d, q], ParamKind::ResidualMatrix));
-        out.push(spec(format!("{p}post_attention_layernorm.weight"), vec![d], ParamKind::Norm));
-        out.push(spec(format!("{p}mlp.gate_proj.weight"), vec![f, d], ParamKind::Matrix));
-        out.push(spec(format!("{p}mlp.up_proj.weight"), vec![f, d], ParamKind::Matrix));
-        out.push(spec(format!("{p}mlp.down_proj.weight"), vec![d, f], ParamKind::ResidualMatrix));
+        out.push(spec(format!("{p}input_layernorm.weight"), vec![d], Replicated, ParamKind::Norm));
+        out.push(spec(format!("{p}self_attn.q_proj.weight"), vec![q, d], Rows, ParamKind::Matrix));
+        out.push(spec(format!("{p}self_attn.k_proj.weight"), vec![kv, d], Rows, ParamKind::Matrix));
+        out.push(spec(format!("{p}self_attn.v_proj.weight"), vec![kv, d], Rows, ParamKind::Matrix));
+        out.push(spec(format!("{p}self_attn.o_proj.weight"), vec![d, q], Cols, ParamKind::ResidualMatrix));
+        out.push(spec(format!("{p}post_attention_layernorm.weight"), vec![d], Replicated, ParamKind::Norm));
+        out.push(spec(format!("{p}mlp.gate_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
+        out.push(spec(format!("{p}mlp.up_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
+        out.push(spec(format!("{p}mlp.down_proj.weight"), vec![d, f], Cols, ParamKind::ResidualMatrix));
     }
-    out.push(spec("model.norm.weight".into(), vec![d], ParamKind::Norm));
-    if !cfg.tie_embeddings {
-        out.push(spec("lm_head.weight".into(), vec![v, d], ParamKind::Matrix));
+    out.push(spec("model.norm.weight".into(), vec![d], Replicated, ParamKind::Norm));
+    if !m.tie {
+        out.push(spec("lm_head.weight".into(), vec![m.vocab, d], Rows, ParamKind::Matrix));
     }
     out
 }
@@ -97,13 +207,15 @@ pub fn init_std(kind: ParamKind, n_layers: usize) -> f64 {
     }
 }
 
-/// Initial value of element `index` (row-major, of the logical full tensor) of parameter `spec`.
+/// Initial value of local element `local` (row-major, of the piece `spec` describes).
 ///
-/// Depends only on `(seed, name, index)`, so any shard of any layout generates its own piece.
-pub fn init_value(seed: u64, spec: &ParamSpec, n_layers: usize, index: u64) -> f64 {
+/// Depends only on `(seed, name, index in the logical tensor)`, so any shard of any layout
+/// generates its own piece; vocabulary padding rows are 0.
+pub fn init_value(seed: u64, spec: &ParamSpec, n_layers: usize, local: u64) -> f64 {
+    let Some(index) = spec.global_index(local as usize) else { return 0.0 };
     match spec.kind {
         ParamKind::Norm => 1.0,
-        k => init_std(k, n_layers) * rng::normal(seed, rng::stream_id(&spec.name), index),
+        k => init_std(k, n_layers) * rng::normal(seed, rng::stream_id(&spec.name), index as u64),
     }
 }
 
@@ -123,9 +235,10 @@ impl<T: Real> LayerParams<T> {
         }
     }
 
-    fn zeros(cfg: &ModelCfg) -> Self {
-        let (d, f, hd) = (cfg.d_model, cfg.ffn_hidden, cfg.head_dim());
-        let (q, kv) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+    /// A block of this rank's shapes, all zero.
+    pub fn zeros(m: &Dims) -> Self {
+        let (d, f) = (m.d, m.ffn);
+        let (q, kv) = (m.heads * m.hd, m.kv_heads * m.hd);
         LayerParams {
             input_layernorm: vec![T::ZERO; d],
             q_proj: vec![T::ZERO; q * d],
@@ -172,22 +285,32 @@ impl<T: Real> LayerParams<T> {
 impl<T: Real> ModelParams<T> {
     /// All tensors zero (the shape of gradients and optimiser moments).
     pub fn zeros(cfg: &ModelCfg) -> Self {
-        let (v, d) = (cfg.vocab_size, cfg.d_model);
+        Self::zeros_local(&Dims::full(cfg))
+    }
+
+    /// All tensors zero, in this rank's (TP-local) shapes.
+    pub fn zeros_local(m: &Dims) -> Self {
+        let (v, d) = (m.vocab, m.d);
         ModelParams {
             embed_tokens: vec![T::ZERO; v * d],
-            layers: (0..cfg.n_layers).map(|_| LayerParams::zeros(cfg)).collect(),
+            layers: (0..m.layers).map(|_| LayerParams::zeros(m)).collect(),
             norm: vec![T::ZERO; d],
-            lm_head: if cfg.tie_embeddings { None } else { Some(vec![T::ZERO; v * d]) },
+            lm_head: if m.tie { None } else { Some(vec![T::ZERO; v * d]) },
         }
     }
 
     /// The seeded, layout-independent initial model of DESIGN.md.
     pub fn init(cfg: &ModelCfg, seed: u64) -> Self {
-        let mut p = Self::zeros(cfg);
-        let specs = param_specs(cfg);
+        Self::init_local(&Dims::full(cfg), seed)
+    }
+
+    /// This tp rank's piece of the initial model.
+    pub fn init_local(m: &Dims, seed: u64) -> Self {
+        let mut p = Self::zeros_local(m);
+        let specs = param_specs_local(m);
         for (spec, t) in specs.iter().zip(p.tensors_mut()) {
             for (i, x) in t.iter_mut().enumerate() {
-                *x = T::from_f64(init_value(seed, spec, cfg.n_layers, i as u64));
+                *x = T::from_f64(init_value(seed, spec, m.layers, i as u64));
             }
         }
         p
