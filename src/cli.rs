@@ -189,11 +189,6 @@ fn check_supported(res: &crate::config::Resolved) -> Result<(), String> {
     if l.cp > 1 {
         return Err(format!("[parallel] cp({}): context parallelism is not implemented yet\nHINT: set cp = 1", l.cp));
     }
-    if res.deck.parallel.sequence_parallel {
-        return Err(
-            "[parallel] sequence_parallel = true: sequence parallelism is not implemented yet\nHINT: set sequence_parallel = false".into(),
-        );
-    }
     let c = &res.deck.checkpoint;
     if c.every > 0 || !c.resume.is_empty() {
         return Err("[checkpoint] every/resume: writing and resuming checkpoints is not implemented yet (init_from works)".into());

@@ -512,6 +512,16 @@ impl<'g> FsdpGrads<'g> {
         sum
     }
 
+    /// With sequence parallelism each tp rank's gradient of a replicated tensor (norm
+    /// weights) covers only its rows of the sequence: sum them across `tp`.
+    pub fn sum_replicated_over(&mut self, tp: &Group) {
+        for (unit, shard) in self.plan.units.iter().zip(self.shards.iter_mut()) {
+            for t in unit.tensors.iter().filter(|t| t.tp_replicated) {
+                tp.all_reduce_sum_f32(&mut shard[t.offset..][..t.shard_len()]);
+            }
+        }
+    }
+
     pub fn scale(&mut self, coef: f64) {
         if coef != 1.0 {
             let c = coef as f32;

@@ -109,8 +109,16 @@ impl PhaseTimes {
 
 /// The collectives every timing log has columns for, as `group.kind` (a group of degree 1
 /// never communicates, so its columns stay 0).
-pub const COLLECTIVES: [&str; 6] =
-    ["fsdp.all_gather", "fsdp.reduce_scatter", "fsdp.all_reduce", "dp_rep.all_reduce", "batch.all_reduce", "tp.all_reduce"];
+pub const COLLECTIVES: [&str; 8] = [
+    "fsdp.all_gather",
+    "fsdp.reduce_scatter",
+    "fsdp.all_reduce",
+    "dp_rep.all_reduce",
+    "batch.all_reduce",
+    "tp.all_reduce",
+    "tp.all_gather",
+    "tp.reduce_scatter",
+];
 
 /// Bytes of model state one rank holds (high-water marks where they vary).
 #[derive(Clone, Copy, Debug, Default)]

@@ -10,6 +10,7 @@ use crate::comm::Group;
 use crate::config::ModelCfg;
 use crate::model::params::{param_specs_local, Dims, ModelParams};
 use crate::model::TpComm;
+use std::collections::BTreeMap;
 
 impl TpComm<f32> for Group {
     fn all_reduce_sum(&self, buf: &mut [f32]) {
@@ -17,6 +18,12 @@ impl TpComm<f32> for Group {
     }
     fn all_reduce_max(&self, buf: &mut [f32]) {
         self.all_reduce_max_f32(buf);
+    }
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
+        self.all_gather_f32(send, recv);
+    }
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
+        self.reduce_scatter_sum_f32(send, recv);
     }
 }
 
@@ -52,18 +59,44 @@ pub fn global_from_local(local: &ModelParams<f32>, cfg: &ModelCfg, tp: &Group) -
     full
 }
 
-/// Bytes the `tp` all-reduces move per optimiser step on one rank (the counting convention of
-/// `comm`: the input size). Per micro-step of `tokens` tokens: the embedding's partial rows,
-/// two all-reduces per block in forward (after `o_proj`, after `down_proj`) and two in backward
-/// (the input gradients of the column-parallel projections), two more per block when activation
-/// checkpointing recomputes the forward, the final norm's input gradient, and three `[tokens]`
-/// vectors of the vocab-parallel cross entropy; plus the 8-byte squared norm once per step.
-pub fn predicted_tp_bytes(m: &Dims, tokens: usize, grad_accum: usize, recompute: bool) -> u64 {
+/// Bytes the `tp` collectives move per optimiser step on one rank, keyed `tp.<kind>` (the
+/// counting convention of `comm`: the input of an all-reduce or reduce-scatter, the output of
+/// an all-gather). Per micro-step of `tokens` rows:
+///
+/// * without sequence parallelism, all-reduces of `[tokens, D]`: the embedding's partial rows,
+///   two per block in forward (after `o_proj`, after `down_proj`), two in backward (the input
+///   gradients of the column-parallel projections), two more per block when activation
+///   checkpointing recomputes the forward, and the final norm's input gradient;
+/// * with it, each of those becomes a reduce-scatter and each replicated input an all-gather:
+///   per block two all-gathers and two reduce-scatters in forward, four all-gathers (two of them
+///   re-gathering the norms' outputs) and two reduce-scatters in backward, the forward's four
+///   again when recomputed, plus the embedding's reduce-scatter and all-gather and the final
+///   norm's all-gather and reduce-scatter;
+///
+/// and always three `[tokens]` all-reduces of the vocab-parallel cross entropy. Once per step:
+/// the 8-byte squared norm and, with sequence parallelism, the replicated (norm) tensors'
+/// gradients (`replicated_shard_elems` elements on this rank).
+pub fn predicted_tp_bytes(
+    m: &Dims,
+    tokens: usize,
+    grad_accum: usize,
+    recompute: bool,
+    sequence_parallel: bool,
+    replicated_shard_elems: usize,
+) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
     if m.tp == 1 {
-        return 0;
+        return out;
     }
-    let per_block = if recompute { 6 } else { 4 };
-    let nd = (tokens * m.d) as u64;
-    let per_micro = nd + m.layers as u64 * per_block * nd + nd + 3 * tokens as u64;
-    grad_accum as u64 * per_micro * 4 + 8
+    let (ga, l, r) = (grad_accum as u64, m.layers as u64, recompute as u64);
+    let nd4 = (tokens * m.d * 4) as u64;
+    let ce = ga * 3 * tokens as u64 * 4;
+    if sequence_parallel {
+        out.insert("tp.all_gather".into(), ga * nd4 * (l * (6 + 2 * r) + 2));
+        out.insert("tp.reduce_scatter".into(), ga * nd4 * (l * (4 + 2 * r) + 2));
+        out.insert("tp.all_reduce".into(), ce + 8 + replicated_shard_elems as u64 * 4);
+    } else {
+        out.insert("tp.all_reduce".into(), ga * nd4 * (2 + l * (4 + 2 * r)) + ce + 8);
+    }
+    out
 }

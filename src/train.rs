@@ -83,7 +83,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let mut opt = AdamW::<f32>::for_slots(&params.plan.optimizer_slots(), ocfg);
     let shard_bytes = params.plan.shard_elements() * 4;
     let n_params = crate::model::params::param_specs(mcfg).iter().map(|s| s.numel()).sum::<usize>();
-    let mut model = Model::<f32>::new_local(dims.clone(), tcfg.activation_checkpointing);
+    let mut model = Model::<f32>::new_local(dims.clone(), tcfg.activation_checkpointing, deck.parallel.sequence_parallel);
 
     // Data.
     let source = open_source(&deck.data, mcfg.vocab_size, deck.run.seed)?;
@@ -151,6 +151,9 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         mesh.batch.all_reduce_sum_f64(&mut loss_buf);
         let loss = loss_buf[0] / n_tok[0];
         grads.finish_step();
+        if deck.parallel.sequence_parallel {
+            grads.sum_replicated_over(&mesh.tp);
+        }
         // Global norm from the shards' squares, reduced once over the fsdp group (every dp_rep
         // replica already holds the same reduced shards).
         let mut sq = [grads.local_sq_sum(mesh.tp.rank() == 0)];

@@ -15,6 +15,9 @@ fn tensor_parallel_layouts_match_one_rank() {
         ("DP=2 x TP=2", 4, &["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2"]),
         ("HSDP=2x2 x TP=2", 8, &["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2"]),
         ("TP=2 checkpointed", 2, &["parallel.tp=2", "train.activation_checkpointing=\"full\""]),
+        ("TP=2 + SP", 2, &["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("TP=4 + SP checkpointed", 4, &["parallel.tp=4", "parallel.sequence_parallel=true", "train.activation_checkpointing=\"full\""]),
+        ("FSDP=2 x TP=2 + SP", 4, &["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     ];
     for (name, ranks, layout) in layouts {
         let other = run_layout(dir.path(), &name.replace([' ', '='], "_"), *ranks, layout);

@@ -77,14 +77,68 @@ impl<T: Real> GradSink<T> for ModelParams<T> {
 pub trait TpComm<T> {
     fn all_reduce_sum(&self, buf: &mut [T]);
     fn all_reduce_max(&self, buf: &mut [T]);
+    /// `recv = [send of tp rank 0, send of tp rank 1, …]`.
+    fn all_gather(&self, send: &[T], recv: &mut [T]);
+    /// Sums `send` (`[tp][recv.len()]`) across tp; this rank's block lands in `recv`.
+    fn reduce_scatter_sum(&self, send: &[T], recv: &mut [T]);
 }
 
 /// One rank holds every head and the whole vocabulary: the collectives are identities.
 pub struct NoTp;
 
-impl<T> TpComm<T> for NoTp {
+impl<T: Copy> TpComm<T> for NoTp {
     fn all_reduce_sum(&self, _buf: &mut [T]) {}
     fn all_reduce_max(&self, _buf: &mut [T]) {}
+    fn all_gather(&self, send: &[T], recv: &mut [T]) {
+        recv.copy_from_slice(send);
+    }
+    fn reduce_scatter_sum(&self, send: &[T], recv: &mut [T]) {
+        recv.copy_from_slice(send);
+    }
+}
+
+/// How rows of the residual stream meet the tensor-parallel projections. Without sequence
+/// parallelism every tp rank holds all `N` rows: a column-parallel projection reads them as they
+/// are, and a row-parallel projection's partial output is all-reduced. With it, a rank holds
+/// `N/T` rows: they are all-gathered before a column-parallel projection and the partial output
+/// is reduce-scattered back (each is the other's backward conjugate).
+#[derive(Clone, Copy)]
+struct Seq<'a, T> {
+    sp: bool,
+    tp: &'a dyn TpComm<T>,
+}
+
+impl<'a, T: Real> Seq<'a, T> {
+    /// The whole `[N, ·]` rows for a column-parallel projection (backward of a row-parallel
+    /// output too): all-gathered into `full` with SP, `local` itself without.
+    fn gather<'b>(&self, local: &'b [T], full: &'b mut [T]) -> &'b [T] {
+        if self.sp {
+            self.tp.all_gather(local, full);
+            full
+        } else {
+            local
+        }
+    }
+
+    /// Where a partial sum across tp ranks is computed: the whole-row scratch with SP, the
+    /// rank's rows themselves without.
+    fn partial<'b>(&self, local: &'b mut [T], full: &'b mut [T]) -> &'b mut [T] {
+        if self.sp {
+            full
+        } else {
+            local
+        }
+    }
+
+    /// Completes a partial sum into the rank's rows: reduce-scatter with SP (conjugate:
+    /// all-gather), all-reduce without (conjugate: identity).
+    fn finish(&self, local: &mut [T], full: &[T]) {
+        if self.sp {
+            self.tp.reduce_scatter_sum(full, local);
+        } else {
+            self.tp.all_reduce_sum(local);
+        }
+    }
 }
 
 /// The tokens of one micro-batch.
@@ -118,26 +172,26 @@ struct BlockActs<T> {
 }
 
 impl<T: Real> BlockActs<T> {
-    fn alloc(m: &Dims, n: usize, input_only: bool) -> Self {
+    fn alloc(m: &Dims, n: usize, nl: usize, input_only: bool) -> Self {
         let (d, f, hd) = (m.d, m.ffn, m.hd);
         let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
         let z = |len: usize| vec![T::ZERO; len];
         if input_only {
-            return BlockActs { x: z(n * d), ..Default::default() };
+            return BlockActs { x: z(nl * d), ..Default::default() };
         }
         BlockActs {
-            x: z(n * d),
-            rstd1: z(n),
-            xn1: z(n * d),
+            x: z(nl * d),
+            rstd1: z(nl),
+            xn1: z(nl * d),
             q: z(n * qd),
             k: z(n * kvd),
             v: z(n * kvd),
             att: z(n * qd),
             lse: z(n * m.heads),
             att_tok: z(n * qd),
-            x1: z(n * d),
-            rstd2: z(n),
-            xn2: z(n * d),
+            x1: z(nl * d),
+            rstd2: z(nl),
+            xn2: z(nl * d),
             gate: z(n * f),
             up: z(n * f),
             h: z(n * f),
@@ -169,8 +223,10 @@ impl<T: Real> BlockActs<T> {
 /// Gradient buffers of one block's backward, reused across layers.
 #[derive(Default)]
 struct BlockGrads<T> {
-    dx1: Vec<T>,     // [N, D]
-    dxn: Vec<T>,     // [N, D]
+    dx1: Vec<T>,     // [N_local, D]
+    dxn: Vec<T>,     // [N_local, D]
+    full_a: Vec<T>,  // [N, D] gathered rows (sequence parallelism only)
+    full_b: Vec<T>,  // [N, D] partial sums before reduce-scatter (sequence parallelism only)
     dh: Vec<T>,      // [N, F]
     dgate: Vec<T>,   // [N, F]
     dup: Vec<T>,     // [N, F]
@@ -186,13 +242,16 @@ struct BlockGrads<T> {
 }
 
 impl<T: Real> BlockGrads<T> {
-    fn alloc(m: &Dims, n: usize) -> Self {
+    fn alloc(m: &Dims, n: usize, nl: usize, sp: bool) -> Self {
         let (d, f, hd) = (m.d, m.ffn, m.hd);
         let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
         let z = |len: usize| vec![T::ZERO; len];
+        let full = if sp { n * d } else { 0 };
         BlockGrads {
-            dx1: z(n * d),
-            dxn: z(n * d),
+            dx1: z(nl * d),
+            dxn: z(nl * d),
+            full_a: z(full),
+            full_b: z(full),
             dh: z(n * f),
             dgate: z(n * f),
             dup: z(n * f),
@@ -211,6 +270,8 @@ impl<T: Real> BlockGrads<T> {
 /// The decoder and the activations of its last forward.
 pub struct Model<T> {
     m: Dims,
+    /// Sequence parallelism: the residual stream and the norms hold `N/T` rows per tp rank.
+    sp: bool,
     ckpt: ActCkpt,
     /// (B, S) the buffers are sized for.
     bs: (usize, usize),
@@ -224,26 +285,30 @@ pub struct Model<T> {
     /// With `full`: one block's activations, recomputed in backward.
     scratch: BlockActs<T>,
     grads: BlockGrads<T>,
-    x_final: Vec<T>,   // [N, D] output of the last block
-    rstd_f: Vec<T>,    // [N]
-    xf: Vec<T>,        // [N, D] after the final norm
-    logits: Vec<T>,    // [N, V]; dlogits in place after backward
+    x_final: Vec<T>,   // [N_local, D] output of the last block
+    rstd_f: Vec<T>,    // [N_local]
+    xf: Vec<T>,        // [N_local, D] after the final norm
+    xf_full: Vec<T>,   // [N, D] gathered final-norm output (sequence parallelism only)
+    logits: Vec<T>,    // [N, V_local]; dlogits in place after backward
     lse_ce: Vec<T>,    // [N] log-sum-exp of each logits row (over the whole vocabulary)
     ce_max: Vec<T>,    // [N] row maxima (scratch)
     ce_target: Vec<T>, // [N] target logits (scratch)
-    dx: Vec<T>,        // [N, D] gradient of the residual stream
+    dx: Vec<T>,        // [N_local, D] gradient of the residual stream
 }
 
 impl<T: Real> Model<T> {
     /// The whole model on one rank.
     pub fn new(cfg: &ModelCfg, ckpt: ActCkpt) -> Self {
-        Self::new_local(Dims::full(cfg), ckpt)
+        Self::new_local(Dims::full(cfg), ckpt, false)
     }
 
-    /// One tensor-parallel rank's piece of the model (`Dims::new(cfg, tp, tp_rank)`).
-    pub fn new_local(m: Dims, ckpt: ActCkpt) -> Self {
+    /// One tensor-parallel rank's piece of the model (`Dims::new(cfg, tp, tp_rank)`), with or
+    /// without sequence parallelism.
+    pub fn new_local(m: Dims, ckpt: ActCkpt, sequence_parallel: bool) -> Self {
         Model {
             m,
+            sp: sequence_parallel,
+            xf_full: vec![],
             ce_max: vec![],
             ce_target: vec![],
             ckpt,
@@ -270,19 +335,22 @@ impl<T: Real> Model<T> {
             return;
         }
         let n = b * s;
+        assert!(!self.sp || n % self.m.tp == 0, "sequence parallelism needs B·S divisible by tp");
+        let nl = if self.sp { n / self.m.tp } else { n };
         let (d, v) = (self.m.d, self.m.vocab);
         let input_only = self.ckpt == ActCkpt::Full;
-        self.saved = (0..self.m.layers).map(|_| BlockActs::alloc(&self.m, n, input_only)).collect();
-        self.scratch = if input_only { BlockActs::alloc(&self.m, n, false) } else { BlockActs::default() };
-        self.grads = BlockGrads::alloc(&self.m, n);
+        self.saved = (0..self.m.layers).map(|_| BlockActs::alloc(&self.m, n, nl, input_only)).collect();
+        self.scratch = if input_only { BlockActs::alloc(&self.m, n, nl, false) } else { BlockActs::default() };
+        self.grads = BlockGrads::alloc(&self.m, n, nl, self.sp);
         self.ce_max = vec![T::ZERO; n];
         self.ce_target = vec![T::ZERO; n];
-        self.x_final = vec![T::ZERO; n * d];
-        self.rstd_f = vec![T::ZERO; n];
-        self.xf = vec![T::ZERO; n * d];
+        self.x_final = vec![T::ZERO; nl * d];
+        self.rstd_f = vec![T::ZERO; nl];
+        self.xf = vec![T::ZERO; nl * d];
+        self.xf_full = vec![T::ZERO; if self.sp { n * d } else { 0 }];
         self.logits = vec![T::ZERO; n * v];
         self.lse_ce = vec![T::ZERO; n];
-        self.dx = vec![T::ZERO; n * d];
+        self.dx = vec![T::ZERO; nl * d];
         self.bs = (b, s);
     }
 
@@ -295,6 +363,7 @@ impl<T: Real> Model<T> {
             + per(&self.x_final)
             + per(&self.rstd_f)
             + per(&self.xf)
+            + per(&self.xf_full)
             + per(&self.logits)
             + per(&self.lse_ce)
     }
@@ -336,12 +405,15 @@ impl<T: Real> Model<T> {
         self.targets.clear();
         self.targets.extend_from_slice(tok.targets);
         let (d, v, nl) = (self.m.d, self.m.vocab, self.m.layers);
-        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, tp };
+        let seq = Seq { sp: self.sp, tp };
+        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, seq };
 
-        // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp.
+        // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp
+        // (into this rank's rows of the residual stream).
         let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
         let x0 = if nl > 0 { &mut self.saved[0].x } else { &mut self.x_final };
-        for (row, &t) in x0.chunks_mut(d).zip(tok.inputs) {
+        let partial = seq.partial(x0, &mut self.grads.full_b);
+        for (row, &t) in partial.chunks_mut(d).zip(tok.inputs) {
             let local = (t as usize).wrapping_sub(off);
             if local < valid {
                 row.copy_from_slice(&w.globals().embed_tokens[local * d..][..d]);
@@ -349,7 +421,7 @@ impl<T: Real> Model<T> {
                 row.iter_mut().for_each(|x| *x = T::ZERO);
             }
         }
-        tp.all_reduce_sum(x0); // backward: identity (dx is replicated)
+        seq.finish(x0, &self.grads.full_b);
         for l in 0..nl {
             let (saved_l, rest) = self.saved[l..].split_first_mut().expect("layer exists");
             let acts = if self.ckpt == ActCkpt::Full {
@@ -370,7 +442,8 @@ impl<T: Real> Model<T> {
         // maximum, the sum of exponentials and the target logit are each reduced across tp, so
         // the whole logits row never exists on one rank.
         rmsnorm_fwd(&mut self.xf, &mut self.rstd_f, &self.x_final, g.norm, d, self.m.norm_eps);
-        linear_fwd(&mut self.logits, &self.xf, g.output, b * s, v, d, false);
+        let xf = seq.gather(&self.xf, &mut self.xf_full);
+        linear_fwd(&mut self.logits, xf, g.output, b * s, v, d, false);
         row_max(&mut self.ce_max, &self.logits, v, valid);
         tp.all_reduce_max(&mut self.ce_max);
         row_sum_exp(&mut self.lse_ce, &self.logits, &self.ce_max, v, valid);
@@ -393,7 +466,8 @@ impl<T: Real> Model<T> {
         let n = b * s;
         let (d, v, nl) = (self.m.d, self.m.vocab, self.m.layers);
         let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
-        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, tp };
+        let seq = Seq { sp: self.sp, tp };
+        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, seq };
 
         // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V_local].
         cross_entropy_bwd_inplace(&mut self.logits, &self.lse_ce, &self.targets, v, off, valid, loss_scale);
@@ -403,12 +477,14 @@ impl<T: Real> Model<T> {
                 Some(h) => h,
                 None => &mut *dg.embed_tokens,
             };
-            linear_bwd_weight(dw_out, &self.logits, &self.xf, n, v, d, true);
-            let mut dxf = std::mem::take(&mut self.grads.dxn); // [N, D]
-            linear_bwd_input(&mut dxf, &self.logits, g.output, n, v, d, false);
-            tp.all_reduce_sum(&mut dxf); // conjugate of the replicated xf feeding every vocab shard
-            rmsnorm_bwd(&mut self.dx, dg.norm, &dxf, &self.x_final, g.norm, &self.rstd_f, d, false);
-            self.grads.dxn = dxf;
+            let xf = if self.sp { &self.xf_full } else { &self.xf };
+            linear_bwd_weight(dw_out, &self.logits, xf, n, v, d, true);
+            // dxf [N_local, D]: the partial sums of every vocab shard, reduced across tp
+            // (conjugate of the replicated / gathered xf feeding every shard).
+            let dxf = &mut self.grads.dxn;
+            linear_bwd_input(seq.partial(dxf, &mut self.grads.full_b), &self.logits, g.output, n, v, d, false);
+            seq.finish(dxf, &self.grads.full_b);
+            rmsnorm_bwd(&mut self.dx, dg.norm, dxf, &self.x_final, g.norm, &self.rstd_f, d, false);
         }
 
         for l in (0..nl).rev() {
@@ -428,9 +504,11 @@ impl<T: Real> Model<T> {
             w.block_done(l);
             gs.block_done(l);
         }
-        // Embedding: dE[token[n]] += dx[n] for the rows this rank holds.
+        // Embedding: dE[token[n]] += dx[n] for the vocabulary rows this rank holds (dx gathered
+        // to all N rows: conjugate of the reduce-scatter after the lookup).
         let de = gs.globals_mut().embed_tokens;
-        for (row, &t) in self.dx.chunks(d).zip(&self.inputs) {
+        let dx = seq.gather(&self.dx, &mut self.grads.full_a);
+        for (row, &t) in dx.chunks(d).zip(&self.inputs) {
             let local = (t as usize).wrapping_sub(off);
             if local < valid {
                 for (g, &x) in de[local * d..][..d].iter_mut().zip(row) {
@@ -445,7 +523,7 @@ impl<T: Real> Model<T> {
 /// What every block of one micro-batch shares.
 struct BlockCtx<'a, T> {
     m: &'a Dims,
-    tp: &'a dyn TpComm<T>,
+    seq: Seq<'a, T>,
     cos: &'a [T], // [S, hd/2]
     sin: &'a [T], // [S, hd/2]
     pos: &'a [usize],
@@ -464,30 +542,35 @@ impl<T> BlockCtx<'_, T> {
 /// overwrites `out [N, D]`; `g` lends its projection scratch.
 fn block_fwd<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T>, g: &mut BlockGrads<T>, out: &mut [T]) {
     let m = ctx.m;
+    let seq = ctx.seq;
     let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
     let (d, f, hd) = (m.d, m.ffn, m.hd);
     let (nh, nkv) = (m.heads, m.kv_heads);
     let rope = Some((ctx.cos, ctx.sin));
 
     rmsnorm_fwd(&mut a.xn1, &mut a.rstd1, &a.x, &w.input_layernorm, d, m.norm_eps);
-    linear_fwd(&mut g.q_tok, &a.xn1, &w.q_proj, n, nh * hd, d, false);
+    let xn1 = seq.gather(&a.xn1, &mut g.full_a); // [N, D]; backward: reduce of dxn1
+    linear_fwd(&mut g.q_tok, xn1, &w.q_proj, n, nh * hd, d, false);
     to_heads_rope(&mut a.q, &g.q_tok, b, s, nh, hd, rope);
-    linear_fwd(&mut g.kv_tok, &a.xn1, &w.k_proj, n, nkv * hd, d, false);
+    linear_fwd(&mut g.kv_tok, xn1, &w.k_proj, n, nkv * hd, d, false);
     to_heads_rope(&mut a.k, &g.kv_tok, b, s, nkv, hd, rope);
-    linear_fwd(&mut g.kv_tok, &a.xn1, &w.v_proj, n, nkv * hd, d, false);
+    linear_fwd(&mut g.kv_tok, xn1, &w.v_proj, n, nkv * hd, d, false);
     to_heads_rope(&mut a.v, &g.kv_tok, b, s, nkv, hd, None);
     attention_fwd(&mut a.att, &mut a.lse, &a.q, &a.k, &a.v, ctx.pos, ctx.pos, ctx.attn_dims());
     from_heads_rope(&mut a.att_tok, &a.att, b, s, nh, hd, None);
-    linear_fwd(&mut a.x1, &a.att_tok, &w.o_proj, n, d, nh * hd, false);
-    ctx.tp.all_reduce_sum(&mut a.x1); // row-parallel o_proj; backward: identity
+    // Row-parallel o_proj: partial sums reduced into this rank's rows; backward: gather.
+    linear_fwd(seq.partial(&mut a.x1, &mut g.full_b), &a.att_tok, &w.o_proj, n, d, nh * hd, false);
+    seq.finish(&mut a.x1, &g.full_b);
     add_assign(&mut a.x1, &a.x);
 
     rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, m.norm_eps);
-    linear_fwd(&mut a.gate, &a.xn2, &w.gate_proj, n, f, d, false);
-    linear_fwd(&mut a.up, &a.xn2, &w.up_proj, n, f, d, false);
+    let xn2 = seq.gather(&a.xn2, &mut g.full_a); // [N, D]; backward: reduce of dxn2
+    linear_fwd(&mut a.gate, xn2, &w.gate_proj, n, f, d, false);
+    linear_fwd(&mut a.up, xn2, &w.up_proj, n, f, d, false);
     swiglu_fwd(&mut a.h, &a.gate, &a.up);
-    linear_fwd(out, &a.h, &w.down_proj, n, d, f, false);
-    ctx.tp.all_reduce_sum(out); // row-parallel down_proj; backward: identity
+    // Row-parallel down_proj: partial sums reduced into this rank's rows; backward: gather.
+    linear_fwd(seq.partial(out, &mut g.full_b), &a.h, &w.down_proj, n, d, f, false);
+    seq.finish(out, &g.full_b);
     add_assign(out, &a.x1);
 }
 
@@ -502,41 +585,50 @@ fn block_bwd<T: Real>(
     dx: &mut [T],
 ) {
     let m = ctx.m;
+    let seq = ctx.seq;
     let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
     let (d, f, hd) = (m.d, m.ffn, m.hd);
     let (nh, nkv) = (m.heads, m.kv_heads);
     let rope = Some((ctx.cos, ctx.sin));
 
-    // MLP: out = x1 + down(h).
-    linear_bwd_weight(&mut dw.down_proj, dx, &a.h, n, d, f, true);
-    linear_bwd_input(&mut g.dh, dx, &w.down_proj, n, d, f, false);
+    // MLP: out = x1 + down(h). The output gradient, gathered to all N rows.
+    let dout = seq.gather(dx, &mut g.full_a);
+    linear_bwd_weight(&mut dw.down_proj, dout, &a.h, n, d, f, true);
+    linear_bwd_input(&mut g.dh, dout, &w.down_proj, n, d, f, false);
     swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
-    linear_bwd_weight(&mut dw.gate_proj, &g.dgate, &a.xn2, n, f, d, true);
-    linear_bwd_weight(&mut dw.up_proj, &g.dup, &a.xn2, n, f, d, true);
-    linear_bwd_input(&mut g.dxn, &g.dgate, &w.gate_proj, n, f, d, false);
-    linear_bwd_input(&mut g.dxn, &g.dup, &w.up_proj, n, f, d, true);
-    ctx.tp.all_reduce_sum(&mut g.dxn); // conjugate of the replicated xn2 feeding column-parallel gate/up
-                                       // dx1 = dout (residual) + norm2 backward.
+    let xn2 = seq.gather(&a.xn2, &mut g.full_a); // gathered again rather than kept
+    linear_bwd_weight(&mut dw.gate_proj, &g.dgate, xn2, n, f, d, true);
+    linear_bwd_weight(&mut dw.up_proj, &g.dup, xn2, n, f, d, true);
+    // dxn2: partial sums of the column-parallel gate/up, reduced into this rank's rows.
+    let partial = seq.partial(&mut g.dxn, &mut g.full_b);
+    linear_bwd_input(partial, &g.dgate, &w.gate_proj, n, f, d, false);
+    linear_bwd_input(partial, &g.dup, &w.up_proj, n, f, d, true);
+    seq.finish(&mut g.dxn, &g.full_b);
+    // dx1 = dout (residual) + norm2 backward.
     g.dx1.copy_from_slice(dx);
     rmsnorm_bwd(&mut g.dx1, &mut dw.post_attention_layernorm, &g.dxn, &a.x1, &w.post_attention_layernorm, &a.rstd2, d, true);
 
     // Attention: x1 = x + o(att_tok).
-    linear_bwd_weight(&mut dw.o_proj, &g.dx1, &a.att_tok, n, d, nh * hd, true);
-    linear_bwd_input(&mut g.d_tok, &g.dx1, &w.o_proj, n, d, nh * hd, false);
+    let dx1 = seq.gather(&g.dx1, &mut g.full_a);
+    linear_bwd_weight(&mut dw.o_proj, dx1, &a.att_tok, n, d, nh * hd, true);
+    linear_bwd_input(&mut g.d_tok, dx1, &w.o_proj, n, d, nh * hd, false);
     to_heads_rope(&mut g.datt, &g.d_tok, b, s, nh, hd, None);
     attention_bwd(&mut g.dq, &mut g.dk, &mut g.dv, &g.datt, &a.q, &a.k, &a.v, &a.att, &a.lse, ctx.pos, ctx.pos, ctx.attn_dims());
-    // Projections: q, k, v = xn1 · W{q,k,v}ᵀ (RoPE on q and k undone by its transpose).
+    // Projections: q, k, v = xn1 · W{q,k,v}ᵀ (RoPE on q and k undone by its transpose); dxn1
+    // is a partial sum over the column-parallel heads, reduced into this rank's rows.
+    let xn1 = seq.gather(&a.xn1, &mut g.full_a);
+    let partial = seq.partial(&mut g.dxn, &mut g.full_b);
     from_heads_rope(&mut g.d_tok, &g.dq, b, s, nh, hd, rope);
-    linear_bwd_weight(&mut dw.q_proj, &g.d_tok, &a.xn1, n, nh * hd, d, true);
-    linear_bwd_input(&mut g.dxn, &g.d_tok, &w.q_proj, n, nh * hd, d, false);
+    linear_bwd_weight(&mut dw.q_proj, &g.d_tok, xn1, n, nh * hd, d, true);
+    linear_bwd_input(partial, &g.d_tok, &w.q_proj, n, nh * hd, d, false);
     from_heads_rope(&mut g.dkv_tok, &g.dk, b, s, nkv, hd, rope);
-    linear_bwd_weight(&mut dw.k_proj, &g.dkv_tok, &a.xn1, n, nkv * hd, d, true);
-    linear_bwd_input(&mut g.dxn, &g.dkv_tok, &w.k_proj, n, nkv * hd, d, true);
+    linear_bwd_weight(&mut dw.k_proj, &g.dkv_tok, xn1, n, nkv * hd, d, true);
+    linear_bwd_input(partial, &g.dkv_tok, &w.k_proj, n, nkv * hd, d, true);
     from_heads_rope(&mut g.dkv_tok, &g.dv, b, s, nkv, hd, None);
-    linear_bwd_weight(&mut dw.v_proj, &g.dkv_tok, &a.xn1, n, nkv * hd, d, true);
-    linear_bwd_input(&mut g.dxn, &g.dkv_tok, &w.v_proj, n, nkv * hd, d, true);
-    ctx.tp.all_reduce_sum(&mut g.dxn); // conjugate of the replicated xn1 feeding column-parallel q/k/v
-                                       // dx = dx1 (residual) + norm1 backward.
+    linear_bwd_weight(&mut dw.v_proj, &g.dkv_tok, xn1, n, nkv * hd, d, true);
+    linear_bwd_input(partial, &g.dkv_tok, &w.v_proj, n, nkv * hd, d, true);
+    seq.finish(&mut g.dxn, &g.full_b);
+    // dx = dx1 (residual) + norm1 backward.
     dx.copy_from_slice(&g.dx1);
     rmsnorm_bwd(dx, &mut dw.input_layernorm, &g.dxn, &a.x, &w.input_layernorm, &a.rstd1, d, true);
 }
