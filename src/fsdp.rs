@@ -326,6 +326,20 @@ impl<'g> FsdpParams<'g> {
         full
     }
 
+    /// A fingerprint of the bits of the tensors every tp rank holds whole (norm weights): equal
+    /// on every tp rank exactly when those tensors are bit-identical.
+    pub fn replicated_fingerprint(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for (unit, shard) in self.plan.units.iter().zip(&self.shards) {
+            for t in unit.tensors.iter().filter(|t| t.tp_replicated) {
+                for x in &shard[t.offset..][..t.shard_len()] {
+                    h = (h ^ x.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01b3);
+                }
+            }
+        }
+        h
+    }
+
     /// AdamW over this rank's shards.
     pub fn slots_mut(&mut self) -> Vec<&mut [f32]> {
         let mut out = vec![];

@@ -238,6 +238,13 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         params.gathered_peak_bytes as f64 / 1048576.0,
         act as f64 / 1048576.0
     );
+    // Invariant of tensor parallelism: the tensors every tp rank holds whole stayed bit-identical.
+    let fp = params.replicated_fingerprint();
+    let mut hi_lo = [fp, u64::MAX - fp];
+    mesh.tp.all_reduce_max_u64(&mut hi_lo);
+    if hi_lo[0] != u64::MAX - hi_lo[1] {
+        return Err("replicated tensors (norm weights) differ across tp ranks: tensor-parallel updates diverged".into());
+    }
     let final_params = crate::tp::global_from_local(&params.gather_full(), mcfg, &mesh.tp);
     if !deck.checkpoint.export_hf.is_empty() && rank == 0 {
         let dir = Path::new(&deck.checkpoint.export_hf);
