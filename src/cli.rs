@@ -185,10 +185,6 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
 
 /// Parts of the deck that later issues implement are refused clearly rather than ignored.
 fn check_supported(res: &crate::config::Resolved) -> Result<(), String> {
-    let l = &res.layout;
-    if l.cp > 1 {
-        return Err(format!("[parallel] cp({}): context parallelism is not implemented yet\nHINT: set cp = 1", l.cp));
-    }
     let c = &res.deck.checkpoint;
     if c.every > 0 || !c.resume.is_empty() {
         return Err("[checkpoint] every/resume: writing and resuming checkpoints is not implemented yet (init_from works)".into());

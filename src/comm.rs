@@ -300,6 +300,19 @@ impl Group {
         (std::mem::take(&mut p.send), std::mem::take(&mut p.recv))
     }
 
+    /// Ring step: sends `buf` to the next rank of the group and replaces it with the previous
+    /// rank's (`MPI_Sendrecv_replace`). Counted as `ring`, the bytes sent.
+    pub fn ring_shift_f32(&self, buf: &mut [f32]) {
+        if self.size == 1 {
+            return;
+        }
+        let start = Instant::now();
+        let next = self.comm.process_at_rank(((self.rank + 1) % self.size) as i32);
+        let prev = self.comm.process_at_rank(((self.rank + self.size - 1) % self.size) as i32);
+        mpi::point_to_point::send_receive_replace_into(buf, &next, &prev);
+        self.record("ring", std::mem::size_of_val(buf), start);
+    }
+
     /// Minimum and maximum of one value across the group (for run summaries).
     pub fn min_max_sum_f64(&self, x: f64) -> (f64, f64, f64) {
         if self.size == 1 {

@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod comm;
 pub mod config;
+pub mod cp;
 pub mod data;
 pub mod fsdp;
 pub mod hdf5io;

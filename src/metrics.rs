@@ -109,7 +109,9 @@ impl PhaseTimes {
 
 /// The collectives every timing log has columns for, as `group.kind` (a group of degree 1
 /// never communicates, so its columns stay 0).
-pub const COLLECTIVES: [&str; 8] = [
+pub const COLLECTIVES: [&str; 10] = [
+    "cp.ring",
+    "cp.all_reduce",
     "fsdp.all_gather",
     "fsdp.reduce_scatter",
     "fsdp.all_reduce",
@@ -160,8 +162,17 @@ impl TimingLog {
             cols.push(format!("{c}_bytes"));
         }
         cols.extend(
-            ["param_bytes", "grad_bytes", "optim_bytes", "gathered_peak_bytes", "grad_scratch_bytes", "activation_bytes", "peak_rss_bytes"]
-                .map(String::from),
+            [
+                "param_bytes",
+                "grad_bytes",
+                "optim_bytes",
+                "gathered_peak_bytes",
+                "grad_scratch_bytes",
+                "activation_bytes",
+                "peak_rss_bytes",
+                "attention_pairs",
+            ]
+            .map(String::from),
         );
         writeln!(out, "{}", cols.join(","))?;
         Ok(TimingLog { out })
@@ -175,6 +186,7 @@ impl TimingLog {
         t: &PhaseTimes,
         comm: &std::collections::BTreeMap<String, crate::comm::CommCount>,
         mem: &MemoryStats,
+        attention_pairs: u64,
     ) -> std::io::Result<()> {
         let mut row = vec![step.to_string(), format!("{step_s:.6e}")];
         row.extend(t.0.iter().map(|x| format!("{x:.6e}")));
@@ -187,6 +199,7 @@ impl TimingLog {
             row.push(v.to_string());
         }
         row.push(peak_rss_bytes().to_string());
+        row.push(attention_pairs.to_string());
         writeln!(self.out, "{}", row.join(","))?;
         self.out.flush()
     }

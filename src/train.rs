@@ -12,7 +12,7 @@ use crate::fsdp::{FsdpGrads, FsdpParams};
 use crate::mesh::Mesh;
 use crate::metrics::{flops_per_token, fmt_duration, MemoryStats, MetricsCsv, PhaseTimes, StepRecord, TimingLog, PHASES};
 use crate::model::params::{Dims, ModelParams};
-use crate::model::{Model, Tokens};
+use crate::model::{Model, Par, Tokens};
 use crate::optim::{clip_coefficient, lr_at, AdamW};
 use crate::real::{matmul, Mat, MatMut};
 use crate::say;
@@ -83,7 +83,11 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let mut opt = AdamW::<f32>::for_slots(&params.plan.optimizer_slots(), ocfg);
     let shard_bytes = params.plan.shard_elements() * 4;
     let n_params = crate::model::params::param_specs(mcfg).iter().map(|s| s.numel()).sum::<usize>();
-    let mut model = Model::<f32>::new_local(dims.clone(), tcfg.activation_checkpointing, deck.parallel.sequence_parallel);
+    let cp = mesh.cp.size();
+    let mut model =
+        Model::<f32>::new_local(dims.clone(), tcfg.activation_checkpointing, deck.parallel.sequence_parallel).with_context_parallel(cp);
+    let par = Par { tp: &mesh.tp, cp: &mesh.cp };
+    let s_local = s / cp;
 
     // Data.
     let source = open_source(&deck.data, mcfg.vocab_size, deck.run.seed)?;
@@ -116,7 +120,6 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let mut losses = Vec::with_capacity(steps as usize);
     let mut totals = PhaseTimes::default();
     let run_start = Instant::now();
-    let positions: Vec<usize> = (0..s).collect();
     let mut step_times = Vec::new();
 
     for step in 0..steps {
@@ -125,21 +128,25 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         grads.zero();
         // Global number of target tokens, reduced before any backward (DESIGN.md: loss is the
         // global sum over the global token count, exact for any layout and accumulation).
-        let mut n_tok = [(ga * mb * s) as f64];
+        let mut n_tok = [(ga * mb * s_local) as f64];
         mesh.batch.all_reduce_sum_f64(&mut n_tok);
+        mesh.cp.all_reduce_sum_f64(&mut n_tok);
         let loss_scale = (1.0 / n_tok[0]) as f32;
         let mut loss_sum = 0.0f64;
         for micro in 0..ga {
             let t0 = Instant::now();
             let batch = loader.micro_batch(step, micro)?;
             let t1 = Instant::now();
-            let tok = Tokens { inputs: &batch.inputs, targets: &batch.targets, positions: &positions, batch: mb, seq: s };
+            // This cp rank's zigzag chunks of every sequence, with their global positions.
+            let (inputs, positions) = crate::cp::local_tokens(&batch.inputs, s, cp, mesh.cp.rank());
+            let (targets, _) = crate::cp::local_tokens(&batch.targets, s, cp, mesh.cp.rank());
+            let tok = Tokens { inputs: &inputs, targets: &targets, positions: &positions, batch: mb, seq: s_local };
             params.begin_micro_step();
             grads.begin_micro_step(deck.parallel.overlap && micro + 1 == ga);
-            loss_sum += model.forward_with(&mut params, &tok, &mesh.tp);
+            loss_sum += model.forward_with(&mut params, &tok, par);
             let t2 = Instant::now();
             params.begin_backward();
-            model.backward_with(&mut params, &mut grads, loss_scale, &mesh.tp);
+            model.backward_with(&mut params, &mut grads, loss_scale, par);
             params.end_micro_step();
             let t3 = Instant::now();
             pt.0[0] += (t1 - t0).as_secs_f64();
@@ -149,6 +156,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         let t_comm = Instant::now();
         let mut loss_buf = [loss_sum];
         mesh.batch.all_reduce_sum_f64(&mut loss_buf);
+        mesh.cp.all_reduce_sum_f64(&mut loss_buf);
         let loss = loss_buf[0] / n_tok[0];
         grads.finish_step();
         if deck.parallel.sequence_parallel {
@@ -182,7 +190,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             grad_scratch_bytes: grads.scratch_bytes(),
             activation_bytes: model.activation_bytes(),
         };
-        timing.append(step + 1, step_s, &pt, &comm, &mem)?;
+        timing.append(step + 1, step_s, &pt, &comm, &mem, model.take_attention_pairs())?;
         let elapsed = run_start.elapsed().as_secs_f64();
         let tps = tokens_per_step / step_s;
         let rec = StepRecord {

@@ -91,6 +91,7 @@ fn mesh_errors_fail_on_every_rank() {
         ("product is not the world", 4, &["parallel.dp_replicate=2", "parallel.dp_shard=4"], "but the job has 4 ranks"),
         ("dp_shard = -1 cannot fill", 3, &["parallel.dp_replicate=2"], "dp_shard"),
         ("degree does not divide the batch", 3, &["parallel.dp_shard=3"], "global_batch"),
+        ("seq_len not divisible by 2·cp", 2, &["parallel.cp=2", "train.seq_len=66"], "seq_len"),
         ("tp does not divide the kv heads", 2, &["parallel.tp=2", "model.n_kv_heads=1"], "n_kv_heads"),
         ("tp does not divide the heads", 4, &["parallel.tp=4", "model.n_heads=6", "model.n_kv_heads=2", "model.d_model=48"], "n_heads"),
     ];

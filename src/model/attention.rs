@@ -74,6 +74,13 @@ pub fn attention_fwd<T: Real>(o: &mut [T], lse: &mut [T], q: &[T], k: &[T], v: &
                             m = m.max(*x);
                         }
                     }
+                    if m == T::NEG_INFINITY {
+                        // No visible key in this block of keys (a context-parallel rank's
+                        // earlier-position queries against a later chunk): contributes nothing.
+                        row.iter_mut().for_each(|x| *x = T::ZERO);
+                        lse_blk[r] = T::NEG_INFINITY;
+                        continue;
+                    }
                     let mut sum = T::ZERO;
                     for x in row.iter_mut() {
                         *x = if *x == T::NEG_INFINITY { T::ZERO } else { (*x - m).exp() };
@@ -160,4 +167,49 @@ pub fn attention_bwd<T: Real>(
             }
         },
     );
+}
+
+/// Merges a partial attention result `(o_part, lse_part)` over one block of keys into the
+/// running `(o, lse)` (online softmax): `lse' = log(e^lse + e^lse_part)`,
+/// `o' = o·e^(lse − lse') + o_part·e^(lse_part − lse')`. Rows are `[rows, hd]`; a row with
+/// `lse_part = −∞` saw no key and leaves the running result as it is.
+pub fn merge_partial<T: Real>(o: &mut [T], lse: &mut [T], o_part: &[T], lse_part: &[T], hd: usize) {
+    o.par_chunks_mut(hd * 64).zip(lse.par_chunks_mut(64)).zip(o_part.par_chunks(hd * 64)).zip(lse_part.par_chunks(64)).for_each(
+        |(((o, lse), op), lp)| {
+            for (((orow, l), prow), &lpi) in o.chunks_mut(hd).zip(lse.iter_mut()).zip(op.chunks(hd)).zip(lp) {
+                if lpi == T::NEG_INFINITY {
+                    continue;
+                }
+                if *l == T::NEG_INFINITY {
+                    orow.copy_from_slice(prow);
+                    *l = lpi;
+                    continue;
+                }
+                let m = l.max(lpi);
+                let new = m + ((*l - m).exp() + (lpi - m).exp()).ln();
+                let (a, b) = ((*l - new).exp(), (lpi - new).exp());
+                for (x, &y) in orow.iter_mut().zip(prow) {
+                    *x = *x * a + y * b;
+                }
+                *l = new;
+            }
+        },
+    );
+}
+
+/// The global positions a context-parallel rank holds: the sequence of `seq_len` tokens is cut
+/// into `2·cp` chunks and rank `c` holds chunks `c` and `2·cp − 1 − c` ("zigzag"), so every
+/// rank has the same amount of causal attention work.
+pub fn zigzag_positions(seq_len: usize, cp: usize, rank: usize) -> Vec<usize> {
+    let chunk = seq_len / (2 * cp);
+    (rank * chunk..(rank + 1) * chunk).chain((2 * cp - 1 - rank) * chunk..(2 * cp - rank) * chunk).collect()
+}
+
+/// Pairs (query, key) a rank's queries may attend to against a block of keys: the causal work
+/// the block costs (counted to show the zigzag balance).
+pub fn visible_pairs(q_pos: &[usize], k_pos: &[usize]) -> u64 {
+    // Both are ascending per chunk; a merge-count keeps this O(|q| + |k|).
+    let mut ks = k_pos.to_vec();
+    ks.sort_unstable();
+    q_pos.iter().map(|&p| ks.partition_point(|&k| k <= p) as u64).sum()
 }

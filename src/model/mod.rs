@@ -15,7 +15,7 @@ pub mod params;
 
 use crate::config::{ActCkpt, ModelCfg};
 use crate::real::{linear_bwd_input, linear_bwd_weight, linear_fwd, Real};
-use attention::{attention_bwd, attention_fwd, AttnDims};
+use attention::{attention_bwd, attention_fwd, merge_partial, zigzag_positions, AttnDims};
 use kernels::*;
 use params::{Dims, LayerParams, ModelParams};
 
@@ -94,6 +94,41 @@ impl<T: Copy> TpComm<T> for NoTp {
     }
     fn reduce_scatter_sum(&self, send: &[T], recv: &mut [T]) {
         recv.copy_from_slice(send);
+    }
+}
+
+/// The context-parallel ring the attention uses, over the `cp` group.
+pub trait RingComm<T> {
+    fn degree(&self) -> usize;
+    fn rank(&self) -> usize;
+    /// Sends `buf` to the next rank of the ring and replaces it with the previous rank's.
+    fn shift(&self, buf: &mut [T]);
+}
+
+/// One rank holds the whole sequence: no ring.
+pub struct NoCp;
+
+impl<T> RingComm<T> for NoCp {
+    fn degree(&self) -> usize {
+        1
+    }
+    fn rank(&self) -> usize {
+        0
+    }
+    fn shift(&self, _buf: &mut [T]) {}
+}
+
+/// The model's communication: tensor-parallel collectives and the context-parallel ring.
+#[derive(Clone, Copy)]
+pub struct Par<'a, T> {
+    pub tp: &'a dyn TpComm<T>,
+    pub cp: &'a dyn RingComm<T>,
+}
+
+impl<T: Copy> Par<'static, T> {
+    /// One rank: every collective is the identity.
+    pub fn single() -> Self {
+        Par { tp: &NoTp, cp: &NoCp }
     }
 }
 
@@ -223,26 +258,32 @@ impl<T: Real> BlockActs<T> {
 /// Gradient buffers of one block's backward, reused across layers.
 #[derive(Default)]
 struct BlockGrads<T> {
-    dx1: Vec<T>,     // [N_local, D]
-    dxn: Vec<T>,     // [N_local, D]
-    full_a: Vec<T>,  // [N, D] gathered rows (sequence parallelism only)
-    full_b: Vec<T>,  // [N, D] partial sums before reduce-scatter (sequence parallelism only)
-    dh: Vec<T>,      // [N, F]
-    dgate: Vec<T>,   // [N, F]
-    dup: Vec<T>,     // [N, F]
-    d_tok: Vec<T>,   // [N, H*hd] token-major gradient (att_tok, then q)
-    dkv_tok: Vec<T>, // [N, KV*hd]
-    datt: Vec<T>,    // [B, H, S, hd]
-    dq: Vec<T>,      // [B, H, S, hd]
-    dk: Vec<T>,      // [B, KV, S, hd]
-    dv: Vec<T>,      // [B, KV, S, hd]
+    dx1: Vec<T>,    // [N_local, D]
+    dxn: Vec<T>,    // [N_local, D]
+    full_a: Vec<T>, // [N, D] gathered rows (sequence parallelism only)
+    full_b: Vec<T>, // [N, D] partial sums before reduce-scatter (sequence parallelism only)
+    // Context parallelism only: the key/value block travelling around the ring and its
+    // gradient, one block's partial attention output and log-sum-exp, and dq of one block.
+    ring_kv: Vec<T>,  // [2, B, KV, S, hd]
+    ring_dkv: Vec<T>, // [2, B, KV, S, hd]
+    o_part: Vec<T>,   // [B, H, S, hd]
+    lse_part: Vec<T>, // [B, H, S]
+    dh: Vec<T>,       // [N, F]
+    dgate: Vec<T>,    // [N, F]
+    dup: Vec<T>,      // [N, F]
+    d_tok: Vec<T>,    // [N, H*hd] token-major gradient (att_tok, then q)
+    dkv_tok: Vec<T>,  // [N, KV*hd]
+    datt: Vec<T>,     // [B, H, S, hd]
+    dq: Vec<T>,       // [B, H, S, hd]
+    dk: Vec<T>,       // [B, KV, S, hd]
+    dv: Vec<T>,       // [B, KV, S, hd]
     // Projection outputs before the head-major transpose (forward scratch).
     q_tok: Vec<T>,  // [N, H*hd]
     kv_tok: Vec<T>, // [N, KV*hd]
 }
 
 impl<T: Real> BlockGrads<T> {
-    fn alloc(m: &Dims, n: usize, nl: usize, sp: bool) -> Self {
+    fn alloc(m: &Dims, n: usize, nl: usize, sp: bool, cp: bool) -> Self {
         let (d, f, hd) = (m.d, m.ffn, m.hd);
         let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
         let z = |len: usize| vec![T::ZERO; len];
@@ -252,6 +293,10 @@ impl<T: Real> BlockGrads<T> {
             dxn: z(nl * d),
             full_a: z(full),
             full_b: z(full),
+            ring_kv: z(if cp { 2 * n * kvd } else { 0 }),
+            ring_dkv: z(if cp { 2 * n * kvd } else { 0 }),
+            o_part: z(if cp { n * qd } else { 0 }),
+            lse_part: z(if cp { n * m.heads } else { 0 }),
             dh: z(n * f),
             dgate: z(n * f),
             dup: z(n * f),
@@ -270,6 +315,11 @@ impl<T: Real> BlockGrads<T> {
 /// The decoder and the activations of its last forward.
 pub struct Model<T> {
     m: Dims,
+    /// Causally visible (query, key) pairs this rank's attention has processed, over all heads
+    /// and blocks, since the last `take_attention_pairs` (shows the context-parallel balance).
+    attn_pairs: u64,
+    /// Context-parallel degree: this rank holds `S/cp` tokens of each sequence.
+    cp: usize,
     /// Sequence parallelism: the residual stream and the norms hold `N/T` rows per tp rank.
     sp: bool,
     ckpt: ActCkpt,
@@ -307,6 +357,8 @@ impl<T: Real> Model<T> {
     pub fn new_local(m: Dims, ckpt: ActCkpt, sequence_parallel: bool) -> Self {
         Model {
             m,
+            attn_pairs: 0,
+            cp: 1,
             sp: sequence_parallel,
             xf_full: vec![],
             ce_max: vec![],
@@ -341,7 +393,7 @@ impl<T: Real> Model<T> {
         let input_only = self.ckpt == ActCkpt::Full;
         self.saved = (0..self.m.layers).map(|_| BlockActs::alloc(&self.m, n, nl, input_only)).collect();
         self.scratch = if input_only { BlockActs::alloc(&self.m, n, nl, false) } else { BlockActs::default() };
-        self.grads = BlockGrads::alloc(&self.m, n, nl, self.sp);
+        self.grads = BlockGrads::alloc(&self.m, n, nl, self.sp, self.cp > 1);
         self.ce_max = vec![T::ZERO; n];
         self.ce_target = vec![T::ZERO; n];
         self.x_final = vec![T::ZERO; nl * d];
@@ -352,6 +404,18 @@ impl<T: Real> Model<T> {
         self.lse_ce = vec![T::ZERO; n];
         self.dx = vec![T::ZERO; nl * d];
         self.bs = (b, s);
+    }
+
+    /// Visible (query, key) pairs processed by attention forwards since the last call.
+    pub fn take_attention_pairs(&mut self) -> u64 {
+        std::mem::take(&mut self.attn_pairs)
+    }
+
+    /// Runs under context parallelism of degree `cp` (the ring's scratch is allocated for it).
+    pub fn with_context_parallel(mut self, cp: usize) -> Self {
+        self.cp = cp;
+        self.bs = (0, 0);
+        self
     }
 
     /// Bytes of activation memory this model holds between forward and backward (saved
@@ -376,19 +440,22 @@ impl<T: Real> Model<T> {
     /// Forward of one micro-batch with weights held whole. Returns the SUM over its tokens of
     /// the cross-entropy loss.
     pub fn forward(&mut self, params: &ModelParams<T>, tok: &Tokens) -> f64 {
-        self.forward_with(&mut &*params, tok, &NoTp)
+        self.forward_with(&mut &*params, tok, Par::single())
     }
 
     /// Backward of the last forward with weights and gradients held whole; ACCUMULATES (`+=`)
     /// into `grads`. `loss_scale` is `dloss/dloss_token` (1 / the global number of targets).
     pub fn backward(&mut self, params: &ModelParams<T>, grads: &mut ModelParams<T>, loss_scale: T) {
-        self.backward_with(&mut &*params, grads, loss_scale, &NoTp)
+        self.backward_with(&mut &*params, grads, loss_scale, Par::single())
     }
 
     /// Forward of one micro-batch, asking `w` for each block's weights when it needs them.
     /// Returns the SUM over its tokens of the cross-entropy loss.
-    /// Tensor-parallel collectives go through `tp` (`NoTp` on one rank).
-    pub fn forward_with<W: WeightSource<T>>(&mut self, w: &mut W, tok: &Tokens, tp: &dyn TpComm<T>) -> f64 {
+    /// Tensor-parallel collectives and the context-parallel ring go through `par`
+    /// (`Par::single()` on one rank). `tok.positions` are the global positions of this rank's
+    /// tokens (the zigzag chunks under context parallelism).
+    pub fn forward_with<W: WeightSource<T>>(&mut self, w: &mut W, tok: &Tokens, par: Par<'_, T>) -> f64 {
+        let tp = par.tp;
         let (b, s) = (tok.batch, tok.seq);
         assert_eq!(tok.inputs.len(), b * s, "inputs must be [B*S]");
         assert_eq!(tok.targets.len(), b * s, "targets must be [B*S]");
@@ -406,7 +473,7 @@ impl<T: Real> Model<T> {
         self.targets.extend_from_slice(tok.targets);
         let (d, v, nl) = (self.m.d, self.m.vocab, self.m.layers);
         let seq = Seq { sp: self.sp, tp };
-        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, seq };
+        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, seq, cp: par.cp };
 
         // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp
         // (into this rank's rows of the residual stream).
@@ -437,6 +504,14 @@ impl<T: Real> Model<T> {
             block_fwd(&ctx, w.block(l), acts, &mut self.grads, out);
             w.block_done(l);
         }
+        let seq_total = s * self.cp;
+        let q_pos = &self.positions;
+        let pairs: u64 = if self.cp == 1 {
+            attention::visible_pairs(q_pos, q_pos)
+        } else {
+            (0..self.cp).map(|src| attention::visible_pairs(q_pos, &zigzag_positions(seq_total, self.cp, src))).sum()
+        };
+        self.attn_pairs += pairs * (b * self.m.heads * nl) as u64;
         let g = w.globals();
         // Final norm, output projection [N, V_local], vocab-parallel cross entropy: the row
         // maximum, the sum of exponentials and the target logit are each reduced across tp, so
@@ -461,13 +536,14 @@ impl<T: Real> Model<T> {
     /// Backward of the last forward, with `dloss/dloss_token = loss_scale` for every token.
     /// ACCUMULATES (`+=`) into the gradients `gs` hands out; tells `gs` when each block's and
     /// finally the global tensors' gradients of this micro-batch are complete.
-    pub fn backward_with<W: WeightSource<T>, G: GradSink<T>>(&mut self, w: &mut W, gs: &mut G, loss_scale: T, tp: &dyn TpComm<T>) {
+    pub fn backward_with<W: WeightSource<T>, G: GradSink<T>>(&mut self, w: &mut W, gs: &mut G, loss_scale: T, par: Par<'_, T>) {
+        let tp = par.tp;
         let (b, s) = self.bs;
         let n = b * s;
         let (d, v, nl) = (self.m.d, self.m.vocab, self.m.layers);
         let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
         let seq = Seq { sp: self.sp, tp };
-        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, seq };
+        let ctx = BlockCtx { m: &self.m, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.positions, b, s, seq, cp: par.cp };
 
         // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V_local].
         cross_entropy_bwd_inplace(&mut self.logits, &self.lse_ce, &self.targets, v, off, valid, loss_scale);
@@ -524,6 +600,7 @@ impl<T: Real> Model<T> {
 struct BlockCtx<'a, T> {
     m: &'a Dims,
     seq: Seq<'a, T>,
+    cp: &'a dyn RingComm<T>,
     cos: &'a [T], // [S, hd/2]
     sin: &'a [T], // [S, hd/2]
     pos: &'a [usize],
@@ -556,7 +633,7 @@ fn block_fwd<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T
     to_heads_rope(&mut a.k, &g.kv_tok, b, s, nkv, hd, rope);
     linear_fwd(&mut g.kv_tok, xn1, &w.v_proj, n, nkv * hd, d, false);
     to_heads_rope(&mut a.v, &g.kv_tok, b, s, nkv, hd, None);
-    attention_fwd(&mut a.att, &mut a.lse, &a.q, &a.k, &a.v, ctx.pos, ctx.pos, ctx.attn_dims());
+    attention_forward(ctx, a, g);
     from_heads_rope(&mut a.att_tok, &a.att, b, s, nh, hd, None);
     // Row-parallel o_proj: partial sums reduced into this rank's rows; backward: gather.
     linear_fwd(seq.partial(&mut a.x1, &mut g.full_b), &a.att_tok, &w.o_proj, n, d, nh * hd, false);
@@ -613,7 +690,7 @@ fn block_bwd<T: Real>(
     linear_bwd_weight(&mut dw.o_proj, dx1, &a.att_tok, n, d, nh * hd, true);
     linear_bwd_input(&mut g.d_tok, dx1, &w.o_proj, n, d, nh * hd, false);
     to_heads_rope(&mut g.datt, &g.d_tok, b, s, nh, hd, None);
-    attention_bwd(&mut g.dq, &mut g.dk, &mut g.dv, &g.datt, &a.q, &a.k, &a.v, &a.att, &a.lse, ctx.pos, ctx.pos, ctx.attn_dims());
+    attention_backward(ctx, a, g);
     // Projections: q, k, v = xn1 · W{q,k,v}ᵀ (RoPE on q and k undone by its transpose); dxn1
     // is a partial sum over the column-parallel heads, reduced into this rank's rows.
     let xn1 = seq.gather(&a.xn1, &mut g.full_a);
@@ -631,4 +708,68 @@ fn block_bwd<T: Real>(
     // dx = dx1 (residual) + norm1 backward.
     dx.copy_from_slice(&g.dx1);
     rmsnorm_bwd(dx, &mut dw.input_layernorm, &g.dxn, &a.x, &w.input_layernorm, &a.rstd1, d, true);
+}
+
+/// Attention of this rank's queries over the whole sequence. One rank: the local keys. Context
+/// parallelism: ring attention — the key/value block travels around the `cp` ring (`cp − 1`
+/// steps), each block's partial result is merged with an online softmax (running log-sum-exp in
+/// the element type, f32 in training). Causality is by global position, so the zigzag chunks
+/// mask correctly. Overwrites `a.att` and `a.lse`.
+fn attention_forward<T: Real>(ctx: &BlockCtx<T>, a: &mut BlockActs<T>, g: &mut BlockGrads<T>) {
+    let cp = ctx.cp.degree();
+    let dm = ctx.attn_dims();
+    if cp == 1 {
+        attention_fwd(&mut a.att, &mut a.lse, &a.q, &a.k, &a.v, ctx.pos, ctx.pos, dm);
+        return;
+    }
+    let kv_len = a.k.len();
+    let seq_total = ctx.s * cp;
+    a.att.iter_mut().for_each(|x| *x = T::ZERO);
+    a.lse.iter_mut().for_each(|x| *x = T::NEG_INFINITY);
+    g.ring_kv[..kv_len].copy_from_slice(&a.k);
+    g.ring_kv[kv_len..].copy_from_slice(&a.v);
+    for step in 0..cp {
+        let src = (ctx.cp.rank() + cp - step) % cp;
+        let k_pos = zigzag_positions(seq_total, cp, src);
+        let (k, v) = g.ring_kv.split_at(kv_len);
+        attention_fwd(&mut g.o_part, &mut g.lse_part, &a.q, k, v, ctx.pos, &k_pos, dm);
+        merge_partial(&mut a.att, &mut a.lse, &g.o_part, &g.lse_part, dm.hd);
+        if step + 1 < cp {
+            ctx.cp.shift(&mut g.ring_kv); // backward: dK/dV travel the same ring
+        }
+    }
+}
+
+/// Backward of [`attention_forward`]. Overwrites `g.dq`, `g.dk`, `g.dv`. Under context
+/// parallelism the key/value block travels the ring again with its accumulating `dK`/`dV`;
+/// after `cp` steps each block's gradient is back with the rank that owns it.
+fn attention_backward<T: Real>(ctx: &BlockCtx<T>, a: &BlockActs<T>, g: &mut BlockGrads<T>) {
+    let cp = ctx.cp.degree();
+    let dm = ctx.attn_dims();
+    if cp == 1 {
+        attention_bwd(&mut g.dq, &mut g.dk, &mut g.dv, &g.datt, &a.q, &a.k, &a.v, &a.att, &a.lse, ctx.pos, ctx.pos, dm);
+        return;
+    }
+    let kv_len = a.k.len();
+    let seq_total = ctx.s * cp;
+    g.ring_kv[..kv_len].copy_from_slice(&a.k);
+    g.ring_kv[kv_len..].copy_from_slice(&a.v);
+    g.ring_dkv.iter_mut().for_each(|x| *x = T::ZERO);
+    g.dq.iter_mut().for_each(|x| *x = T::ZERO);
+    for step in 0..cp {
+        let src = (ctx.cp.rank() + cp - step) % cp;
+        let k_pos = zigzag_positions(seq_total, cp, src);
+        let (k, v) = g.ring_kv.split_at(kv_len);
+        // dq of this block into o_part (free in backward), dk/dv of this block into dk/dv.
+        attention_bwd(&mut g.o_part, &mut g.dk, &mut g.dv, &g.datt, &a.q, k, v, &a.att, &a.lse, ctx.pos, &k_pos, dm);
+        add_assign(&mut g.dq, &g.o_part);
+        add_assign(&mut g.ring_dkv[..kv_len], &g.dk);
+        add_assign(&mut g.ring_dkv[kv_len..], &g.dv);
+        if step + 1 < cp {
+            ctx.cp.shift(&mut g.ring_kv);
+        }
+        ctx.cp.shift(&mut g.ring_dkv);
+    }
+    g.dk.copy_from_slice(&g.ring_dkv[..kv_len]);
+    g.dv.copy_from_slice(&g.ring_dkv[kv_len..]);
 }

@@ -100,14 +100,14 @@ pub fn column(out: &Path, name: &str) -> Vec<f64> {
 /// Per-step losses of a layout against one rank: layouts sum the same per-sample gradients in
 /// another order, in f32, and Adam's division by sqrt(v) amplifies that noise over steps.
 /// Measured after 10 steps on the tiny deck: ≤ 1.7e-8 for DP/FSDP/HSDP, ≤ 3.2e-8 with TP and
-/// SP. 1e-6 leaves a 30× margin and still catches a wrong normalisation or a lost micro-batch
-/// (≥ 1e-3).
+/// SP, ≤ 5.0e-8 with CP (the online-softmax merge reorders the sums). 1e-6 leaves a 20× margin
+/// and still catches a wrong normalisation or a lost micro-batch (≥ 1e-3).
 pub const LOSS_TOL: f64 = 1e-6;
 /// Final parameters, max |Δ| relative to the tensor's max |value|: measured ≤ 6.8e-6 for the
-/// data-parallel layouts and ≤ 5.8e-5 with TP (elements whose gradient is near zero get Adam
-/// updates whose sign follows rounding noise; TP changes the summation order inside every
-/// matmul). 1e-3 is a 17× margin, while one wrong update of lr = 3e-3 on weights of ~0.05
-/// shows as > 1e-2.
+/// data-parallel layouts, ≤ 5.8e-5 with TP and ≤ 6.8e-5 with CP (elements whose gradient is
+/// near zero get Adam updates whose sign follows rounding noise; TP and CP change the summation
+/// order inside every matmul and softmax). 1e-3 is a 15× margin, while one wrong update of
+/// lr = 3e-3 on weights of ~0.05 shows as > 1e-2.
 pub const PARAM_TOL: f64 = 1e-3;
 
 /// What the equivalence tests share: 10 steps, clipping active in every step, warm-up short.
@@ -144,10 +144,18 @@ pub fn assert_bytes_match_formula(dir: &Path, name: &str, deck: &ndtrain::config
     let dims = Dims::new(&deck.model, l.tp, 0);
     let plan = ndtrain::fsdp::ShardPlan::new(&dims, l.dp_shard * l.cp, 0);
     let mut want = ndtrain::fsdp::predicted_comm_bytes(&plan, l.dp_replicate, l.dp(), res.grad_accum, deck.parallel.reshard_after_forward);
-    let tokens = deck.train.micro_batch * deck.train.seq_len;
     let recompute = deck.train.activation_checkpointing == ActCkpt::Full;
     let replicated: usize = plan.units.iter().flat_map(|u| u.tensors.iter()).filter(|t| t.tp_replicated).map(|t| t.shard_len()).sum();
+    let s_local = deck.train.seq_len / l.cp;
+    let tokens = deck.train.micro_batch * s_local;
     want.extend(ndtrain::tp::predicted_tp_bytes(&dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated));
+    if l.cp > 1 {
+        want.insert(
+            "cp.ring".into(),
+            ndtrain::cp::predicted_ring_bytes(&dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute),
+        );
+        want.insert("cp.all_reduce".into(), 16);
+    }
     let csv = std::fs::read_to_string(dir.join(name).join("timing/rank_00000.csv")).unwrap();
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
@@ -179,4 +187,13 @@ pub fn assert_equivalent(name: &str, base: &RunResult, other: &RunResult) {
         worst_param = worst_param.max(diff / scale);
     }
     eprintln!("{name}: worst loss diff {worst_loss:.3e}, worst relative parameter diff {worst_param:.3e}");
+}
+
+/// A column of the last row of a rank's timing log.
+pub fn last_timing_value(out: &Path, rank: usize, name: &str) -> f64 {
+    let csv = std::fs::read_to_string(out.join(format!("timing/rank_{rank:05}.csv"))).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let last: Vec<&str> = lines.last().unwrap().split(',').collect();
+    last[header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}"))].parse().unwrap()
 }
