@@ -73,6 +73,8 @@ fn install_abort_on_panic() {
 /// them before it completes; dropping it waits for completion.
 pub struct Pending {
     request: ffi::MPI_Request,
+    /// A second request (the receive of a point-to-point exchange), or MPI_REQUEST_NULL.
+    request2: ffi::MPI_Request,
     send: Vec<f32>,
     recv: Vec<f32>,
     done: bool,
@@ -84,7 +86,7 @@ impl Pending {
     fn new(kind: &'static str, bytes: usize, send: Vec<f32>, recv: Vec<f32>) -> Pending {
         // SAFETY: reading the MPI_REQUEST_NULL handle constant.
         let request = unsafe { ffi::RSMPI_REQUEST_NULL };
-        Pending { request, send, recv, done: false, kind, bytes }
+        Pending { request, request2: request, send, recv, done: false, kind, bytes }
     }
 
     fn completed(kind: &'static str, bytes: usize, send: Vec<f32>, recv: Vec<f32>) -> Pending {
@@ -95,8 +97,12 @@ impl Pending {
 
     fn finish(&mut self) {
         if !self.done {
-            // SAFETY: `request` is a live request of this process; MPI_Wait completes it.
-            unsafe { ffi::MPI_Wait(&mut self.request, ffi::RSMPI_STATUS_IGNORE) };
+            // SAFETY: both are live requests of this process or MPI_REQUEST_NULL (for which
+            // MPI_Wait returns at once); MPI_Wait completes them.
+            unsafe {
+                ffi::MPI_Wait(&mut self.request, ffi::RSMPI_STATUS_IGNORE);
+                ffi::MPI_Wait(&mut self.request2, ffi::RSMPI_STATUS_IGNORE);
+            }
             self.done = true;
         }
     }
@@ -123,12 +129,14 @@ pub struct Group {
     rank: usize,
     size: usize,
     counts: RefCell<BTreeMap<&'static str, CommCount>>,
+    /// Ring exchanges in flight, by slot (at most a few at a time).
+    ring: RefCell<BTreeMap<usize, Pending>>,
 }
 
 impl Group {
     fn new(name: &'static str, comm: SimpleCommunicator) -> Group {
         let (rank, size) = (comm.rank() as usize, comm.size() as usize);
-        Group { name, comm, rank, size, counts: RefCell::new(BTreeMap::new()) }
+        Group { name, comm, rank, size, counts: RefCell::new(BTreeMap::new()), ring: RefCell::new(BTreeMap::new()) }
     }
 
     pub fn name(&self) -> &'static str {
@@ -300,17 +308,51 @@ impl Group {
         (std::mem::take(&mut p.send), std::mem::take(&mut p.recv))
     }
 
-    /// Ring step: sends `buf` to the next rank of the group and replaces it with the previous
-    /// rank's (`MPI_Sendrecv_replace`). Counted as `ring`, the bytes sent.
-    pub fn ring_shift_f32(&self, buf: &mut [f32]) {
-        if self.size == 1 {
-            return;
+    /// Starts a ring step in the background: a copy of `data` goes to the next rank while the
+    /// previous rank's block is received (`MPI_Isend` + `MPI_Irecv`, tag = `slot`), so the
+    /// caller computes on `data` meanwhile. [`Group::finish_ring_shift_f32`] completes it.
+    pub fn start_ring_shift_f32(&self, slot: usize, data: &[f32]) {
+        let bytes = std::mem::size_of_val(data);
+        let mut p = Pending::new("ring", bytes, data.to_vec(), vec![0.0; data.len()]);
+        if self.size > 1 {
+            let next = ((self.rank + 1) % self.size) as i32;
+            let prev = ((self.rank + self.size - 1) % self.size) as i32;
+            // SAFETY: the buffers are owned by `p` (kept in `self.ring` until completion) and a
+            // Vec's heap storage does not move when the Vec does.
+            unsafe {
+                ffi::MPI_Isend(
+                    p.send.as_ptr() as *const c_void,
+                    p.send.len() as i32,
+                    ffi::RSMPI_FLOAT,
+                    next,
+                    slot as i32,
+                    self.comm.as_raw(),
+                    &mut p.request,
+                );
+                ffi::MPI_Irecv(
+                    p.recv.as_mut_ptr() as *mut c_void,
+                    p.recv.len() as i32,
+                    ffi::RSMPI_FLOAT,
+                    prev,
+                    slot as i32,
+                    self.comm.as_raw(),
+                    &mut p.request2,
+                );
+            }
+        } else {
+            p.recv.copy_from_slice(&p.send);
+            p.done = true;
         }
-        let start = Instant::now();
-        let next = self.comm.process_at_rank(((self.rank + 1) % self.size) as i32);
-        let prev = self.comm.process_at_rank(((self.rank + self.size - 1) % self.size) as i32);
-        mpi::point_to_point::send_receive_replace_into(buf, &next, &prev);
-        self.record("ring", std::mem::size_of_val(buf), start);
+        let old = self.ring.borrow_mut().insert(slot, p);
+        assert!(old.is_none(), "ring slot {slot} already in flight");
+    }
+
+    /// Completes the ring step of `slot` into `out` (the previous rank's block), counting the
+    /// time blocked here (the exposed part) and the bytes sent.
+    pub fn finish_ring_shift_f32(&self, slot: usize, out: &mut [f32]) {
+        let p = self.ring.borrow_mut().remove(&slot).expect("finish_ring_shift_f32 after start_ring_shift_f32");
+        let (_, recv) = self.wait(p);
+        out.copy_from_slice(&recv);
     }
 
     /// Minimum and maximum of one value across the group (for run summaries).

@@ -17,8 +17,11 @@ impl RingComm<f32> for Group {
     fn rank(&self) -> usize {
         Group::rank(self)
     }
-    fn shift(&self, buf: &mut [f32]) {
-        self.ring_shift_f32(buf);
+    fn start_shift(&self, slot: usize, buf: &[f32]) {
+        self.start_ring_shift_f32(slot, buf);
+    }
+    fn finish_shift(&self, slot: usize, buf: &mut [f32]) {
+        self.finish_ring_shift_f32(slot, buf);
     }
 }
 

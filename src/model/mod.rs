@@ -101,8 +101,11 @@ impl<T: Copy> TpComm<T> for NoTp {
 pub trait RingComm<T> {
     fn degree(&self) -> usize;
     fn rank(&self) -> usize;
-    /// Sends `buf` to the next rank of the ring and replaces it with the previous rank's.
-    fn shift(&self, buf: &mut [T]);
+    /// Starts sending a copy of `buf` to the next rank of the ring (exchange `slot`); the
+    /// caller may keep computing on `buf`.
+    fn start_shift(&self, slot: usize, buf: &[T]);
+    /// Completes exchange `slot`: `buf` becomes the previous rank's block.
+    fn finish_shift(&self, slot: usize, buf: &mut [T]);
 }
 
 /// One rank holds the whole sequence: no ring.
@@ -115,8 +118,14 @@ impl<T> RingComm<T> for NoCp {
     fn rank(&self) -> usize {
         0
     }
-    fn shift(&self, _buf: &mut [T]) {}
+    // A ring of one rank returns each block to itself.
+    fn start_shift(&self, _slot: usize, _buf: &[T]) {}
+    fn finish_shift(&self, _slot: usize, _buf: &mut [T]) {}
 }
+
+/// Ring exchange slots (MPI tags): the key/value block and its gradient travel concurrently.
+const RING_KV: usize = 1;
+const RING_DKV: usize = 2;
 
 /// The model's communication: tensor-parallel collectives and the context-parallel ring.
 #[derive(Clone, Copy)]
@@ -731,11 +740,15 @@ fn attention_forward<T: Real>(ctx: &BlockCtx<T>, a: &mut BlockActs<T>, g: &mut B
     for step in 0..cp {
         let src = (ctx.cp.rank() + cp - step) % cp;
         let k_pos = zigzag_positions(seq_total, cp, src);
+        // Post the next exchange before computing on the current block (overlap).
+        if step + 1 < cp {
+            ctx.cp.start_shift(RING_KV, &g.ring_kv); // backward: dK/dV travel the same ring
+        }
         let (k, v) = g.ring_kv.split_at(kv_len);
         attention_fwd(&mut g.o_part, &mut g.lse_part, &a.q, k, v, ctx.pos, &k_pos, dm);
         merge_partial(&mut a.att, &mut a.lse, &g.o_part, &g.lse_part, dm.hd);
         if step + 1 < cp {
-            ctx.cp.shift(&mut g.ring_kv); // backward: dK/dV travel the same ring
+            ctx.cp.finish_shift(RING_KV, &mut g.ring_kv);
         }
     }
 }
@@ -759,17 +772,27 @@ fn attention_backward<T: Real>(ctx: &BlockCtx<T>, a: &BlockActs<T>, g: &mut Bloc
     for step in 0..cp {
         let src = (ctx.cp.rank() + cp - step) % cp;
         let k_pos = zigzag_positions(seq_total, cp, src);
+        if step + 1 < cp {
+            ctx.cp.start_shift(RING_KV, &g.ring_kv);
+        }
         let (k, v) = g.ring_kv.split_at(kv_len);
         // dq of this block into o_part (free in backward), dk/dv of this block into dk/dv.
         attention_bwd(&mut g.o_part, &mut g.dk, &mut g.dv, &g.datt, &a.q, k, v, &a.att, &a.lse, ctx.pos, &k_pos, dm);
         add_assign(&mut g.dq, &g.o_part);
+        // The accumulating gradient of the block held in the previous step arrives now.
+        if step > 0 {
+            ctx.cp.finish_shift(RING_DKV, &mut g.ring_dkv);
+        }
         add_assign(&mut g.ring_dkv[..kv_len], &g.dk);
         add_assign(&mut g.ring_dkv[kv_len..], &g.dv);
+        // Pass it on; it travels while the next block computes.
+        ctx.cp.start_shift(RING_DKV, &g.ring_dkv);
         if step + 1 < cp {
-            ctx.cp.shift(&mut g.ring_kv);
+            ctx.cp.finish_shift(RING_KV, &mut g.ring_kv);
         }
-        ctx.cp.shift(&mut g.ring_dkv);
     }
+    // After `cp` steps the gradient of this rank's own block is back.
+    ctx.cp.finish_shift(RING_DKV, &mut g.ring_dkv);
     g.dk.copy_from_slice(&g.ring_dkv[..kv_len]);
     g.dv.copy_from_slice(&g.ring_dkv[kv_len..]);
 }
