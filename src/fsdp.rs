@@ -16,7 +16,7 @@
 //! whole model and every collective is a no-op. Knows nothing of attention or data.
 
 use crate::comm::{Group, Pending};
-use crate::model::params::{init_value, param_specs_local, Dims, LayerParams, ModelParams, TpSplit};
+use crate::model::params::{init_fill, param_specs_local, Dims, LayerParams, ModelParams, TpSplit};
 use crate::model::{Globals, GlobalsMut, GradSink, WeightSource};
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -215,10 +215,7 @@ impl<'g> FsdpParams<'g> {
             for t in &unit.tensors {
                 let rows = t.owned_rows(p.plan.rank);
                 let dst = &mut shard[t.offset..][..rows.len() * t.cols];
-                let first = (rows.start * t.cols) as u64;
-                for (i, x) in dst.iter_mut().enumerate() {
-                    *x = init_value(seed, &specs[t.spec_index], m.layers, first + i as u64) as f32;
-                }
+                init_fill(seed, &specs[t.spec_index], m.layers, rows.start * t.cols, dst);
             }
         }
         p

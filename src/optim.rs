@@ -7,6 +7,10 @@
 use crate::config::{ModelCfg, OptimCfg, Schedule};
 use crate::model::params::{param_specs, ModelParams};
 use crate::real::Real;
+use rayon::prelude::*;
+
+/// Elements per parallel AdamW task.
+const ADAMW_CHUNK: usize = 16384;
 
 /// Learning rate of 0-based optimiser step `step` of `total_steps` for peak rate `peak_lr`:
 /// linear warm-up `peak·(s+1)/warmup`, then cosine, linear or constant down to `min_lr`.
@@ -116,16 +120,23 @@ impl<T: Real> AdamW<T> {
         let decay = T::from_f64(1.0 - lr * self.weight_decay);
         let slots = params.into_iter().zip(grads).zip(self.exp_avg.iter_mut()).zip(self.exp_avg_sq.iter_mut());
         for (i, (((p, g), m), v)) in slots.enumerate() {
-            let decayed = self.decayed[i] && self.weight_decay != 0.0;
             assert_eq!(p.len(), m.len(), "AdamW: slot {i} changed length");
-            for j in 0..p.len() {
-                if decayed {
-                    p[j] *= decay;
-                }
-                m[j] = b1 * m[j] + one_m_b1 * g[j];
-                v[j] = b2 * v[j] + one_m_b2 * g[j] * g[j];
-                p[j] -= step_size * m[j] / (v[j].sqrt() / bc2_sqrt + eps);
-            }
+            // Branch-free: multiplying by exactly 1 leaves an undecayed weight bit-identical.
+            let d = if self.decayed[i] && self.weight_decay != 0.0 { decay } else { T::ONE };
+            // Elementwise and independent: chunks run in parallel, each a straight loop the
+            // compiler vectorises; the result does not depend on the thread count.
+            p.par_chunks_mut(ADAMW_CHUNK)
+                .zip(g.par_chunks(ADAMW_CHUNK))
+                .zip(m.par_chunks_mut(ADAMW_CHUNK))
+                .zip(v.par_chunks_mut(ADAMW_CHUNK))
+                .for_each(|(((p, g), m), v)| {
+                    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                        *p *= d;
+                        *m = b1 * *m + one_m_b1 * g;
+                        *v = b2 * *v + one_m_b2 * g * g;
+                        *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
+                    }
+                });
         }
     }
 }

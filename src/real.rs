@@ -148,6 +148,16 @@ pub fn gemm_threads() -> usize {
 /// Shapes: `a [m, k]`, `b [k, n]`, `c [m, n]`, each with its own strides, so transposed
 /// operands and heads inside a wider row cost no copy.
 pub fn matmul<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate: bool) {
+    matmul_with(c, a, b, accumulate, true)
+}
+
+/// [`matmul`] on the calling thread only: for products inside an already-parallel loop
+/// (attention runs one task per head group), where a nested parallel GEMM only adds overhead.
+pub fn matmul_serial<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate: bool) {
+    matmul_with(c, a, b, accumulate, false)
+}
+
+fn matmul_with<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate: bool, parallel: bool) {
     let (m, n, k) = (c.rows, c.cols, a.cols);
     assert_eq!(a.rows, m, "matmul: a has {} rows, c has {}", a.rows, m);
     assert_eq!(b.rows, k, "matmul: a has {} cols, b has {} rows", k, b.rows);
@@ -170,7 +180,8 @@ pub fn matmul<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulat
         return;
     }
     let threads = gemm_threads();
-    let par = if threads > 1 && m * n * k >= 64 * 64 * 64 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let par =
+        if parallel && threads > 1 && m * n * k >= 64 * 64 * 64 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // SAFETY: the asserts above bound every element the strides can reach inside the three
     // slices; `c` is borrowed mutably, so it cannot alias `a` or `b`.
     unsafe {

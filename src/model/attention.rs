@@ -9,7 +9,7 @@
 //! time live in a `[QB, Sk]` scratch: no `[S, S]` matrix is ever held.
 //! Knows nothing of projections, RoPE or parallelism.
 
-use crate::real::{matmul, Mat, MatMut, Real};
+use crate::real::{matmul_serial as matmul, Mat, MatMut, Real};
 use rayon::prelude::*;
 
 /// Query rows per block: the scratch is `QB × Sk` per task.

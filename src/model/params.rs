@@ -207,6 +207,24 @@ pub fn init_std(kind: ParamKind, n_layers: usize) -> f64 {
     }
 }
 
+/// Fills `out` with the initial values of local elements `first..first + out.len()` of the
+/// piece `spec` describes (in parallel; the same values as [`init_value`]).
+pub fn init_fill<T: Real>(seed: u64, spec: &ParamSpec, n_layers: usize, first: usize, out: &mut [T]) {
+    use rayon::prelude::*;
+    let stream = rng::stream_id(&spec.name);
+    let std = init_std(spec.kind, n_layers);
+    out.par_chunks_mut(4096).enumerate().for_each(|(c, chunk)| {
+        for (i, x) in chunk.iter_mut().enumerate() {
+            let local = first + c * 4096 + i;
+            *x = T::from_f64(match (spec.global_index(local), spec.kind) {
+                (None, _) => 0.0,
+                (Some(_), ParamKind::Norm) => 1.0,
+                (Some(g), _) => std * rng::normal(seed, stream, g as u64),
+            });
+        }
+    });
+}
+
 /// Initial value of local element `local` (row-major, of the piece `spec` describes).
 ///
 /// Depends only on `(seed, name, index in the logical tensor)`, so any shard of any layout
@@ -309,9 +327,7 @@ impl<T: Real> ModelParams<T> {
         let mut p = Self::zeros_local(m);
         let specs = param_specs_local(m);
         for (spec, t) in specs.iter().zip(p.tensors_mut()) {
-            for (i, x) in t.iter_mut().enumerate() {
-                *x = T::from_f64(init_value(seed, spec, m.layers, i as u64));
-            }
+            init_fill(seed, spec, m.layers, 0, t);
         }
         p
     }
