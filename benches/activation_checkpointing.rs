@@ -16,6 +16,7 @@
 
 use ndtrain::config::{ActCkpt, Deck};
 use ndtrain::data::{open_source, Batch, Loader};
+use ndtrain::metrics::median;
 use ndtrain::metrics::peak_rss_bytes;
 use ndtrain::model::params::ModelParams;
 use ndtrain::model::{Model, Tokens};
@@ -205,19 +206,6 @@ fn spawn_child(args: &Args, mode: ActCkpt) -> Result<MemoryReport, Error> {
         hwm_after_backward: field("hwm_after_backward")?,
         activation_bytes: field("activation_bytes")?,
     })
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let n = s.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        0.5 * (s[n / 2 - 1] + s[n / 2])
-    }
 }
 
 fn loadavg() -> String {

@@ -13,6 +13,7 @@
 
 use ndtrain::config::{Deck, Resolved};
 use ndtrain::data::{open_source, Loader};
+use ndtrain::metrics::median;
 use ndtrain::metrics::{flops_per_token, matmul_params};
 use ndtrain::model::params::ModelParams;
 use ndtrain::model::{Model, Tokens};
@@ -165,19 +166,6 @@ fn probe_model_shape_flops() -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (PROBE_M * PROBE_K * PROBE_N) as f64 / best
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let n = s.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        s[n / 2]
-    } else {
-        0.5 * (s[n / 2 - 1] + s[n / 2])
-    }
 }
 
 fn min(v: &[f64]) -> f64 {

@@ -45,6 +45,20 @@ pub fn flops_per_token(cfg: &ModelCfg, seq_len: usize) -> f64 {
     6.0 * matmul_params(cfg) as f64 + 12.0 * (cfg.n_layers * cfg.d_model * seq_len) as f64
 }
 
+/// The median of `v` (the mean of the middle two for an even count; NaN when empty).
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    }
+}
+
 /// `HhMMmSSs`-style duration for the console.
 pub fn fmt_duration(secs: f64) -> String {
     let s = secs.max(0.0).round() as u64;

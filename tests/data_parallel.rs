@@ -17,21 +17,14 @@ fn every_data_parallel_layout_matches_one_rank() {
         ("HSDP=2x2", 4, &["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
         ("FSDP=2 no reshard", 2, &["parallel.dp_shard=2", "parallel.reshard_after_forward=false"]),
     ];
-    for (name, ranks, layout) in layouts {
-        let other = run_layout(dir.path(), &name.replace([' ', '='], "_"), *ranks, layout);
-        assert_equivalent(name, &base, &other);
-    }
+    assert_layouts_match(dir.path(), &base, layouts);
 }
 
 /// Sum of the model-state memory columns of a rank's last timing row.
 fn model_state_bytes(out: &Path, rank: usize) -> u64 {
-    let csv = std::fs::read_to_string(out.join(format!("timing/rank_{rank:05}.csv"))).unwrap();
-    let mut lines = csv.lines();
-    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    let last: Vec<&str> = lines.last().unwrap().split(',').collect();
     ["param_bytes", "grad_bytes", "optim_bytes", "gathered_peak_bytes", "grad_scratch_bytes"]
         .iter()
-        .map(|c| last[header.iter().position(|h| h == c).unwrap()].parse::<u64>().unwrap())
+        .map(|c| last_timing_value(out, rank, c) as u64)
         .sum()
 }
 

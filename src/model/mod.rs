@@ -489,10 +489,11 @@ impl<T: Real> Model<T> {
         let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
         let x0 = if nl > 0 { &mut self.saved[0].x } else { &mut self.x_final };
         let partial = seq.partial(x0, &mut self.grads.full_b);
+        let embed = w.globals().embed_tokens;
         for (row, &t) in partial.chunks_mut(d).zip(tok.inputs) {
             let local = (t as usize).wrapping_sub(off);
             if local < valid {
-                row.copy_from_slice(&w.globals().embed_tokens[local * d..][..d]);
+                row.copy_from_slice(&embed[local * d..][..d]);
             } else {
                 row.iter_mut().for_each(|x| *x = T::ZERO);
             }

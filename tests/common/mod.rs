@@ -197,3 +197,11 @@ pub fn last_timing_value(out: &Path, rank: usize, name: &str) -> f64 {
     let last: Vec<&str> = lines.last().unwrap().split(',').collect();
     last[header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}"))].parse().unwrap()
 }
+
+/// Runs each `(name, ranks, --set overrides)` layout and asserts it reproduces `base`.
+pub fn assert_layouts_match(dir: &Path, base: &RunResult, layouts: &[(&str, usize, &[&str])]) {
+    for (name, ranks, layout) in layouts {
+        let other = run_layout(dir, &name.replace([' ', '='], "_"), *ranks, layout);
+        assert_equivalent(name, base, &other);
+    }
+}
