@@ -18,6 +18,9 @@ use std::path::PathBuf;
 pub const EXIT_BAD_INPUT: i32 = 2;
 /// Exit code for a failure during the run (every rank is aborted).
 pub const EXIT_RUN_FAILED: i32 = 1;
+/// Exit code after a stop signal (SIGTERM, SIGUSR1): a checkpoint was written at the step
+/// boundary and the job can be requeued to resume it (`EX_TEMPFAIL` of sysexits.h).
+pub const EXIT_PREEMPTED: i32 = 75;
 
 #[derive(Parser, Debug)]
 #[command(name = "ndtrain", version, about = "Train Llama-style transformers with N-D parallelism (DP, FSDP, TP, CP) over MPI")]
@@ -49,6 +52,26 @@ enum Cmd {
     Data {
         #[command(subcommand)]
         cmd: DataCmd,
+    },
+    /// Inspect, verify or convert a checkpoint (one process, no MPI job needed).
+    Ckpt {
+        #[command(subcommand)]
+        cmd: CkptCmd,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum CkptCmd {
+    /// Print the metadata and every tensor with shape and checksum, and verify them.
+    Inspect { file: PathBuf },
+    /// Recompute every tensor's checksum; exit 0 if all match, 1 naming the corrupt ones.
+    Verify { file: PathBuf },
+    /// Write the parameters as a Hugging Face folder (config.json + model.safetensors).
+    Export {
+        file: PathBuf,
+        /// The folder to write.
+        #[arg(long)]
+        hf: PathBuf,
     },
 }
 
@@ -82,6 +105,7 @@ pub fn main() -> i32 {
     match cli.cmd {
         Cmd::Train { deck, set } => run_train(deck, set),
         Cmd::Plan { deck, ranks, set } => run_plan(deck, ranks, set),
+        Cmd::Ckpt { cmd } => run_ckpt(cmd),
         Cmd::Data { cmd: DataCmd::Prepare { input, output, tokenizer, dataset } } => {
             let args = crate::data::prepare::PrepareArgs { input, output, tokenizer, dataset };
             match crate::data::prepare::run(&args) {
@@ -94,6 +118,32 @@ pub fn main() -> i32 {
                     EXIT_RUN_FAILED
                 }
             }
+        }
+    }
+}
+
+fn run_ckpt(cmd: CkptCmd) -> i32 {
+    use crate::checkpoint::tools;
+    let result = match cmd {
+        CkptCmd::Inspect { file } => tools::inspect(&file).map_err(|e| e.to_string()).map(|report| {
+            print!("{report}");
+            !report.contains("INVALID")
+        }),
+        CkptCmd::Verify { file } => tools::verify(&file).map_err(|e| e.to_string()).map(|n| {
+            println!("{}: valid ({n} tensors, every checksum matches)", file.display());
+            true
+        }),
+        CkptCmd::Export { file, hf } => tools::export_hf(&file, &hf).map(|_| {
+            println!("exported the parameters of {} to {} (config.json + model.safetensors)", file.display(), hf.display());
+            true
+        }),
+    };
+    match result {
+        Ok(true) => 0,
+        Ok(false) => EXIT_RUN_FAILED,
+        Err(e) => {
+            report_error(&e);
+            EXIT_RUN_FAILED
         }
     }
 }
@@ -134,11 +184,6 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
             rt.finalize_and_exit(EXIT_BAD_INPUT);
         }
     };
-    if let Err(e) = check_supported(&res) {
-        report_error(&e);
-        drop(world);
-        rt.finalize_and_exit(EXIT_BAD_INPUT);
-    }
     let out_dir = res.deck.run.out_dir();
     let mesh = Mesh::new(world, res.layout);
     let threads = crate::train::threads_for_rank(res.deck.run.threads, mesh.node.size());
@@ -172,24 +217,15 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
     }
     mesh.world.barrier();
     match crate::train::train(&res, &mesh, &out_dir) {
-        Ok(_) => {
+        Ok(summary) => {
             drop(mesh);
-            rt.finalize_and_exit(0)
+            rt.finalize_and_exit(if summary.preempted { EXIT_PREEMPTED } else { 0 })
         }
         Err(e) => {
             report_error(&format!("rank {}: {e}", mesh.world.rank()));
             comm::abort(EXIT_RUN_FAILED)
         }
     }
-}
-
-/// Parts of the deck that later issues implement are refused clearly rather than ignored.
-fn check_supported(res: &crate::config::Resolved) -> Result<(), String> {
-    let c = &res.deck.checkpoint;
-    if c.every > 0 || !c.resume.is_empty() {
-        return Err("[checkpoint] every/resume: writing and resuming checkpoints is not implemented yet (init_from works)".into());
-    }
-    Ok(())
 }
 
 /// Prints `error: MESSAGE` as one write, so the lines of several ranks never interleave.

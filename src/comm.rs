@@ -372,4 +372,24 @@ impl Group {
             self.comm.barrier();
         }
     }
+
+    /// Element-wise sum modulo 2^64 (unsigned overflow wraps in MPI as in C), in place: combines
+    /// the per-rank parts of an additive checksum.
+    pub fn all_reduce_wrapping_sum_u64(&self, buf: &mut [u64]) {
+        self.all_reduce_in_place(buf, SystemOperation::sum());
+    }
+
+    /// Element-wise maximum across the group, in place, not counted in the step's traffic: the
+    /// once-per-step agreement on control flags (stop requested, I/O failed).
+    pub fn agree_max_u64(&self, buf: &mut [u64]) {
+        if self.size > 1 {
+            let send = buf.to_vec();
+            self.comm.all_reduce_into(&send[..], buf, SystemOperation::max());
+        }
+    }
+
+    /// The MPI communicator, for libraries that take one (parallel HDF5's MPI-IO driver).
+    pub fn raw(&self) -> ffi::MPI_Comm {
+        self.comm.as_raw()
+    }
 }

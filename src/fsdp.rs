@@ -185,7 +185,8 @@ pub struct FsdpParams<'g> {
 }
 
 impl<'g> FsdpParams<'g> {
-    fn empty(m: &Dims, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
+    /// Zero shards, to be filled by a load (a checkpoint, or a Hugging Face model's slices).
+    pub fn zeros(m: &Dims, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
         let plan = ShardPlan::new(m, fsdp.size(), fsdp.rank());
         let shards = plan.units.iter().map(|u| vec![0.0; u.shard_len]).collect();
         FsdpParams {
@@ -209,7 +210,7 @@ impl<'g> FsdpParams<'g> {
 
     /// The seeded initial model; each rank generates only the rows it owns.
     pub fn init(m: &Dims, seed: u64, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
-        let mut p = Self::empty(m, fsdp, reshard_after_forward);
+        let mut p = Self::zeros(m, fsdp, reshard_after_forward);
         let specs = param_specs_local(m);
         for (unit, shard) in p.plan.units.iter().zip(p.shards.iter_mut()) {
             for t in &unit.tensors {
@@ -223,7 +224,7 @@ impl<'g> FsdpParams<'g> {
 
     /// Takes this rank's shards of a model held whole in this tp rank's shapes.
     pub fn from_full(full: &ModelParams<f32>, m: &Dims, fsdp: &'g Group, reshard_after_forward: bool) -> Self {
-        let mut p = Self::empty(m, fsdp, reshard_after_forward);
+        let mut p = Self::zeros(m, fsdp, reshard_after_forward);
         for u in 0..p.plan.units.len() {
             p.plan.pack(u, &unit_tensors(full, u), p.plan.rank, &mut p.shards[u]);
         }
@@ -335,6 +336,17 @@ impl<'g> FsdpParams<'g> {
             }
         }
         h
+    }
+
+    /// This rank's shard of every tensor, in slot order (what a checkpoint saves).
+    pub fn slots(&self) -> Vec<&[f32]> {
+        let mut out = vec![];
+        for (unit, shard) in self.plan.units.iter().zip(&self.shards) {
+            for t in &unit.tensors {
+                out.push(&shard[t.offset..][..t.shard_len()]);
+            }
+        }
+        out
     }
 
     /// AdamW over this rank's shards.

@@ -1,12 +1,19 @@
 //! The one module that touches the `hdf5` crate (hdf5-metno): everything else sees plain Rust
 //! types and `Hdf5Error` messages that name the file, the dataset and the numbers.
 //!
-//! Owns, for now, the token functions used by the data pipeline: open a 1-D integer dataset,
-//! report its length and dtype, read a range `[start, end)` of it by hyperslab (only those
-//! elements are read from disk) converted to `u32`, and write a 1-D `u16`/`u32` token dataset
-//! (for `ndtrain data prepare`). All of these use serial (non-MPI) file access, which works from
-//! any rank without MPI-IO. It does not own what the tokens mean (vocabulary, samples, order:
-//! `data`) nor checkpoints (the checkpoint module adds its parallel-HDF5 functions here).
+//! Owns two kinds of files:
+//!
+//! * token files for the data pipeline: open a 1-D integer dataset, report its length and
+//!   dtype, read a range `[start, end)` of it by hyperslab (only those elements are read from
+//!   disk) converted to `u32`, and write a 1-D `u16`/`u32` token dataset (for `ndtrain data
+//!   prepare`), all with serial (non-MPI) file access, which works from any rank;
+//! * checkpoint files ([`H5File`]): created or opened by every rank of a communicator with the
+//!   MPI-IO driver (parallel HDF5), or by one process alone for the `ckpt` tools; 2-D/1-D `f32`
+//!   datasets read and written by rectangular block with a **collective** transfer (the
+//!   crate's own `write_slice` is independent I/O, so the block transfer calls `hdf5-sys`),
+//!   scalar and string attributes.
+//!
+//! It does not own what the tokens mean (`data`) nor what a checkpoint holds (`checkpoint`).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -192,6 +199,259 @@ pub fn write_tokens(path: &Path, name: &str, tokens: TokenSlice<'_>, vocab_size:
         .and_then(|a| a.write_scalar(&vocab_size))
         .map_err(|e| Hdf5Error(format!("{}: writing attribute vocab_size: {e}", at())))?;
     file.close().map_err(|e| Hdf5Error(format!("{}: closing the file: {e}", at())))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checkpoint files.
+
+/// An MPI communicator handle as the MPI-IO driver takes it.
+pub type RawComm = mpi::ffi::MPI_Comm;
+
+/// An HDF5 file of `f32` datasets and attributes: parallel (every rank of a communicator opened
+/// it and calls every metadata operation alike, in the same order) or serial (one process).
+pub struct H5File {
+    file: hdf5::File,
+    path: PathBuf,
+    parallel: bool,
+}
+
+/// One `f32` dataset of an [`H5File`].
+pub struct H5Dataset {
+    ds: hdf5::Dataset,
+    at: String,
+    parallel: bool,
+}
+
+/// How the MPI-IO layer actually moved a block (HDF5's `H5Pget_mpio_actual_io_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoMode {
+    /// One collective MPI-IO call over the contiguous dataset.
+    Collective,
+    /// Independent I/O (serial files, or HDF5 fell back from collective).
+    Independent,
+}
+
+impl H5File {
+    /// Creates (truncating) `path` collectively on every rank of `comm`.
+    pub fn create_parallel(path: &Path, comm: RawComm) -> Result<H5File, Hdf5Error> {
+        let file = hdf5::File::with_options()
+            .with_fapl(|p| p.mpio(comm, None))
+            .create(path)
+            .map_err(|e| Hdf5Error(format!("cannot create HDF5 file {} (MPI-IO): {e}", path.display())))?;
+        Ok(H5File { file, path: path.to_path_buf(), parallel: true })
+    }
+
+    /// Opens `path` read-only collectively on every rank of `comm`.
+    pub fn open_parallel(path: &Path, comm: RawComm) -> Result<H5File, Hdf5Error> {
+        let file = hdf5::File::with_options()
+            .with_fapl(|p| p.mpio(comm, None))
+            .open(path)
+            .map_err(|e| Hdf5Error(format!("cannot open HDF5 file {} (MPI-IO): {e}", path.display())))?;
+        Ok(H5File { file, path: path.to_path_buf(), parallel: true })
+    }
+
+    /// Opens `path` read-only in this process alone.
+    pub fn open_serial(path: &Path) -> Result<H5File, Hdf5Error> {
+        let file = hdf5::File::open(path).map_err(|e| Hdf5Error(format!("cannot open HDF5 file {}: {e}", path.display())))?;
+        Ok(H5File { file, path: path.to_path_buf(), parallel: false })
+    }
+
+    fn at(&self, name: &str) -> String {
+        format!("{}:/{}", self.path.display(), name.trim_start_matches('/'))
+    }
+
+    /// Creates group `name` (its parent must exist).
+    pub fn create_group(&self, name: &str) -> Result<(), Hdf5Error> {
+        self.file.create_group(name).map(|_| ()).map_err(|e| Hdf5Error(format!("{}: cannot create group: {e}", self.at(name))))
+    }
+
+    /// Creates a contiguous `f32` dataset of `shape` that is never pre-filled (every element is
+    /// written by some rank; a fill would write the file twice).
+    pub fn create_f32(&self, name: &str, shape: &[usize]) -> Result<H5Dataset, Hdf5Error> {
+        let ds = self
+            .file
+            .new_dataset::<f32>()
+            .shape(shape)
+            .fill_time(hdf5::dataset::FillTime::Never)
+            .create(name)
+            .map_err(|e| Hdf5Error(format!("{}: cannot create dataset of shape {shape:?}: {e}", self.at(name))))?;
+        Ok(H5Dataset { ds, at: self.at(name), parallel: self.parallel })
+    }
+
+    /// The dataset `name`.
+    pub fn dataset(&self, name: &str) -> Result<H5Dataset, Hdf5Error> {
+        let ds = self.file.dataset(name).map_err(|e| Hdf5Error(format!("{}: no such dataset ({e})", self.at(name))))?;
+        Ok(H5Dataset { ds, at: self.at(name), parallel: self.parallel })
+    }
+
+    /// Names of the members of group `group` (`"/"` for the root), sorted.
+    pub fn members(&self, group: &str) -> Result<Vec<String>, Hdf5Error> {
+        let g = self.file.group(group).map_err(|e| Hdf5Error(format!("{}: no such group ({e})", self.at(group))))?;
+        let mut names = g.member_names().map_err(|e| Hdf5Error(format!("{}: cannot list members: {e}", self.at(group))))?;
+        names.sort();
+        Ok(names)
+    }
+
+    pub fn set_attr_u64(&self, key: &str, value: u64) -> Result<(), Hdf5Error> {
+        set_attr_u64(&self.file, key, value).map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at(""))))
+    }
+
+    pub fn set_attr_str(&self, key: &str, value: &str) -> Result<(), Hdf5Error> {
+        let v: hdf5::types::VarLenUnicode =
+            value.parse().map_err(|e| Hdf5Error(format!("{}: attribute {key}: not storable text: {e}", self.at(""))))?;
+        self.file
+            .new_attr::<hdf5::types::VarLenUnicode>()
+            .create(key)
+            .and_then(|a| a.write_scalar(&v))
+            .map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at(""))))
+    }
+
+    pub fn attr_u64(&self, key: &str) -> Result<u64, Hdf5Error> {
+        attr_u64(&self.file, key).map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at(""))))
+    }
+
+    pub fn attr_str(&self, key: &str) -> Result<String, Hdf5Error> {
+        self.file
+            .attr(key)
+            .and_then(|a| a.read_scalar::<hdf5::types::VarLenUnicode>())
+            .map(|v| v.as_str().to_string())
+            .map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at(""))))
+    }
+
+    /// Names of the root attributes, sorted.
+    pub fn attr_names(&self) -> Result<Vec<String>, Hdf5Error> {
+        let mut v = self.file.attr_names().map_err(|e| Hdf5Error(format!("{}: cannot list attributes: {e}", self.at(""))))?;
+        v.sort();
+        Ok(v)
+    }
+
+    /// Flushes every buffer to the file system (`MPI_File_sync` under MPI-IO) and closes the
+    /// file; collective on a parallel file.
+    pub fn close(self) -> Result<(), Hdf5Error> {
+        let at = self.at("");
+        self.file.flush().map_err(|e| Hdf5Error(format!("{at}: flushing: {e}")))?;
+        self.file.close().map_err(|e| Hdf5Error(format!("{at}: closing: {e}")))
+    }
+}
+
+// In every parallel HDF5 since 1.8.10; `hdf5-sys` does not bind it.
+extern "C" {
+    fn H5Pget_mpio_actual_io_mode(
+        plist_id: hdf5_sys::h5i::hid_t,
+        actual_io_mode: *mut hdf5_sys::h5d::H5D_mpio_actual_io_mode_t,
+    ) -> hdf5_sys::h5::herr_t;
+}
+
+fn set_attr_u64(loc: &hdf5::Location, key: &str, value: u64) -> hdf5::Result<()> {
+    loc.new_attr::<u64>().create(key)?.write_scalar(&value)
+}
+
+fn attr_u64(loc: &hdf5::Location, key: &str) -> hdf5::Result<u64> {
+    loc.attr(key)?.read_scalar::<u64>()
+}
+
+impl H5Dataset {
+    pub fn shape(&self) -> Vec<usize> {
+        self.ds.shape()
+    }
+
+    pub fn set_attr_u64(&self, key: &str, value: u64) -> Result<(), Hdf5Error> {
+        set_attr_u64(&self.ds, key, value).map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at)))
+    }
+
+    pub fn attr_u64(&self, key: &str) -> Result<u64, Hdf5Error> {
+        attr_u64(&self.ds, key).map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at)))
+    }
+
+    /// Byte offset of the dataset's contiguous data in the file (tests corrupt it there).
+    pub fn file_offset(&self) -> Option<u64> {
+        self.ds.offset()
+    }
+
+    /// Writes `data` (row-major, `count` elements) to the block starting at `start`. On a
+    /// parallel file every rank calls it (collective transfer); a rank with nothing to write
+    /// passes an empty `count` product and selects nothing.
+    pub fn write_block(&self, start: &[usize], count: &[usize], data: &[f32]) -> Result<IoMode, Hdf5Error> {
+        self.transfer(start, count, data.as_ptr() as *mut f32, data.len(), true)
+    }
+
+    /// Reads the block at `start` of `count` elements into `out` (row-major); collective on a
+    /// parallel file, where every rank calls it.
+    pub fn read_block(&self, start: &[usize], count: &[usize], out: &mut [f32]) -> Result<IoMode, Hdf5Error> {
+        self.transfer(start, count, out.as_mut_ptr(), out.len(), false)
+    }
+
+    fn transfer(&self, start: &[usize], count: &[usize], buf: *mut f32, len: usize, write: bool) -> Result<IoMode, Hdf5Error> {
+        use hdf5_sys::h5d::{H5D_mpio_actual_io_mode_t, H5Dget_space, H5Dread, H5Dwrite};
+        use hdf5_sys::h5i::hid_t;
+        use hdf5_sys::h5p::{H5FD_mpio_xfer_t, H5Pclose, H5Pcreate, H5Pset_dxpl_mpio, H5P_CLS_DATASET_XFER};
+        use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab, H5Sselect_none};
+        let n: usize = count.iter().product();
+        let what = if write { "writing" } else { "reading" };
+        let fail = |step: &str| Hdf5Error(format!("{}: {what} block start {start:?} count {count:?}: {step} failed", self.at));
+        if n != len || start.len() != count.len() || count.len() != self.ds.ndim() {
+            return Err(Hdf5Error(format!(
+                "{}: {what} block start {start:?} count {count:?} ({n} elements) with a buffer of {len} into a {}-D dataset",
+                self.at,
+                self.ds.ndim()
+            )));
+        }
+        let dummy = [0.0f32];
+        let ptr = if n == 0 { dummy.as_ptr() as *mut f32 } else { buf };
+        hdf5::sync::sync(|| {
+            // SAFETY: every id created here is closed before returning; `ptr` points at `n`
+            // valid f32 (or at `dummy` when the selection is empty and nothing is touched).
+            unsafe {
+                let fspace = H5Dget_space(self.ds.id());
+                if fspace < 0 {
+                    return Err(fail("H5Dget_space"));
+                }
+                let mdims = [n.max(1) as u64];
+                let mspace = H5Screate_simple(1, mdims.as_ptr(), std::ptr::null());
+                let dxpl = H5Pcreate(*H5P_CLS_DATASET_XFER);
+                let close = |ids: [hid_t; 3]| {
+                    H5Sclose(ids[0]);
+                    H5Sclose(ids[1]);
+                    H5Pclose(ids[2]);
+                };
+                let ids = [fspace, mspace, dxpl];
+                if mspace < 0 || dxpl < 0 {
+                    close(ids);
+                    return Err(fail("creating the memory space"));
+                }
+                let selected = if n == 0 {
+                    H5Sselect_none(fspace).min(H5Sselect_none(mspace))
+                } else {
+                    let st: Vec<u64> = start.iter().map(|&x| x as u64).collect();
+                    let ct: Vec<u64> = count.iter().map(|&x| x as u64).collect();
+                    H5Sselect_hyperslab(fspace, H5S_seloper_t::H5S_SELECT_SET, st.as_ptr(), std::ptr::null(), ct.as_ptr(), std::ptr::null())
+                };
+                if selected < 0 {
+                    close(ids);
+                    return Err(fail("selecting the hyperslab"));
+                }
+                if self.parallel && H5Pset_dxpl_mpio(dxpl, H5FD_mpio_xfer_t::H5FD_MPIO_COLLECTIVE) < 0 {
+                    close(ids);
+                    return Err(fail("H5Pset_dxpl_mpio(COLLECTIVE)"));
+                }
+                let memtype = *hdf5_sys::h5t::H5T_NATIVE_FLOAT;
+                let rc = if write {
+                    H5Dwrite(self.ds.id(), memtype, mspace, fspace, dxpl, ptr as *const std::ffi::c_void)
+                } else {
+                    H5Dread(self.ds.id(), memtype, mspace, fspace, dxpl, ptr as *mut std::ffi::c_void)
+                };
+                let mut mode = H5D_mpio_actual_io_mode_t::H5D_MPIO_NO_COLLECTIVE;
+                if self.parallel {
+                    H5Pget_mpio_actual_io_mode(dxpl, &mut mode);
+                }
+                close(ids);
+                if rc < 0 {
+                    return Err(fail(if write { "H5Dwrite" } else { "H5Dread" }));
+                }
+                Ok(if mode == H5D_mpio_actual_io_mode_t::H5D_MPIO_NO_COLLECTIVE { IoMode::Independent } else { IoMode::Collective })
+            }
+        })
+    }
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //!
 //! See `docs/architecture.md` for what each module owns.
 
+pub mod checkpoint;
 pub mod cli;
 pub mod comm;
 pub mod config;
@@ -14,6 +15,7 @@ pub mod mesh;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod preempt;
 pub mod real;
 pub mod rng;
 pub mod tp;

@@ -90,9 +90,10 @@ pub struct MetricsCsv {
 }
 
 impl MetricsCsv {
-    pub fn create(path: &Path) -> std::io::Result<Self> {
-        let mut out = BufWriter::new(File::create(path)?);
-        writeln!(out, "step,loss,lr,grad_norm,tokens_per_s,mfu,step_s,elapsed_s")?;
+    /// Creates the file, or on a resume at step `resumed_at` keeps the rows of steps up to it
+    /// (a run that continues in its own directory keeps one unbroken log).
+    pub fn create(path: &Path, resumed_at: u64) -> std::io::Result<Self> {
+        let out = open_log(path, "step,loss,lr,grad_norm,tokens_per_s,mfu,step_s,elapsed_s", resumed_at)?;
         Ok(MetricsCsv { out })
     }
 
@@ -107,11 +108,11 @@ impl MetricsCsv {
 }
 
 /// The phases a step's wall time is split into.
-pub const PHASES: [&str; 5] = ["data", "forward", "backward", "comm", "optimizer"];
+pub const PHASES: [&str; 6] = ["data", "forward", "backward", "comm", "optimizer", "checkpoint"];
 
 /// Per-step phase times of this rank, in seconds, in `PHASES` order.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PhaseTimes(pub [f64; 5]);
+pub struct PhaseTimes(pub [f64; 6]);
 
 impl PhaseTimes {
     pub fn add(&mut self, other: &PhaseTimes) {
@@ -166,9 +167,8 @@ pub struct TimingLog {
 }
 
 impl TimingLog {
-    pub fn create(dir: &Path, rank: usize) -> std::io::Result<Self> {
+    pub fn create(dir: &Path, rank: usize, resumed_at: u64) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let mut out = BufWriter::new(File::create(dir.join(format!("rank_{rank:05}.csv")))?);
         let mut cols = vec!["step".to_string(), "step_s".to_string()];
         cols.extend(PHASES.iter().map(|p| format!("{p}_s")));
         for c in COLLECTIVES {
@@ -188,7 +188,7 @@ impl TimingLog {
             ]
             .map(String::from),
         );
-        writeln!(out, "{}", cols.join(","))?;
+        let out = open_log(&dir.join(format!("rank_{rank:05}.csv")), &cols.join(","), resumed_at)?;
         Ok(TimingLog { out })
     }
 
@@ -219,13 +219,94 @@ impl TimingLog {
     }
 }
 
-/// Peak resident set size of this process (`VmHWM`), 0 where `/proc` is absent.
-pub fn peak_rss_bytes() -> u64 {
+/// A per-step CSV log with `header`. Fresh runs truncate; a run resumed at step
+/// `resumed_at > 0` keeps the existing rows whose first column (the step) is at most that,
+/// when the existing header is the same, and appends after them.
+fn open_log(path: &Path, header: &str, resumed_at: u64) -> std::io::Result<BufWriter<File>> {
+    let mut kept = String::new();
+    if resumed_at > 0 {
+        if let Ok(old) = std::fs::read_to_string(path) {
+            let mut lines = old.lines();
+            if lines.next() == Some(header) {
+                for l in lines.filter(|l| l.split(',').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= resumed_at)) {
+                    kept.push_str(l);
+                    kept.push('\n');
+                }
+            }
+        }
+    }
+    let mut out = BufWriter::new(File::create(path)?);
+    writeln!(out, "{header}")?;
+    out.write_all(kept.as_bytes())?;
+    out.flush()?;
+    Ok(out)
+}
+
+fn proc_status_bytes(key: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .and_then(|s| s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
         .map(|kb| kb * 1024)
         .unwrap_or(0)
+}
+
+/// Peak resident set size of this process (`VmHWM`), 0 where `/proc` is absent.
+pub fn peak_rss_bytes() -> u64 {
+    proc_status_bytes("VmHWM:")
+}
+
+/// Resident set size of this process now (`VmRSS`), 0 where `/proc` is absent.
+pub fn rss_bytes() -> u64 {
+    proc_status_bytes("VmRSS:")
+}
+
+/// `<out_dir>/checkpoint_io.csv`, written by rank 0: one row per checkpoint written or loaded,
+/// with what it cost (bytes over all ranks, the slowest rank's seconds, the largest rank's
+/// resident memory).
+pub struct CheckpointIoLog {
+    out: BufWriter<File>,
+}
+
+/// One row of [`CheckpointIoLog`].
+#[derive(Clone, Debug)]
+pub struct CheckpointIo<'a> {
+    pub event: &'a str,
+    pub step: u64,
+    pub file: &'a Path,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub collective: bool,
+    /// Largest `VmRSS` of any rank just before the event.
+    pub rss_before_bytes: u64,
+    /// Largest `VmHWM` of any rank just after it.
+    pub peak_rss_bytes: u64,
+    /// Model state (parameters + AdamW moments) one rank holds.
+    pub state_bytes_per_rank: u64,
+}
+
+impl CheckpointIoLog {
+    pub fn create(path: &Path, resumed_at: u64) -> std::io::Result<Self> {
+        let header = "step,event,file,bytes,seconds,mb_per_s,collective,rss_before_bytes,peak_rss_bytes,state_bytes_per_rank";
+        Ok(CheckpointIoLog { out: open_log(path, header, resumed_at)? })
+    }
+
+    pub fn append(&mut self, r: &CheckpointIo<'_>) -> std::io::Result<()> {
+        writeln!(
+            self.out,
+            "{},{},{},{},{:.6e},{:.3},{},{},{},{}",
+            r.step,
+            r.event,
+            r.file.display(),
+            r.bytes,
+            r.seconds,
+            r.bytes as f64 / 1e6 / r.seconds.max(1e-9),
+            r.collective,
+            r.rss_before_bytes,
+            r.peak_rss_bytes,
+            r.state_bytes_per_rank
+        )?;
+        self.out.flush()
+    }
 }
 
 #[cfg(test)]

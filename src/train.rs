@@ -5,13 +5,18 @@
 //! (`fsdp`: DP, FSDP and HSDP are its degrees), the data loader and the optimiser. Knows
 //! nothing of MPI beyond the `comm::Group` calls.
 
+use crate::checkpoint::blocks::{shard_blocks, ShardBlock};
+use crate::checkpoint::{self as ckpt, DataState, LoadError, Meta, WriterLayout};
 use crate::comm::CommCount;
 use crate::config::{ActCkpt, Resolved};
 use crate::data::{open_source, Loader};
 use crate::fsdp::{FsdpGrads, FsdpParams};
 use crate::mesh::Mesh;
-use crate::metrics::{flops_per_token, fmt_duration, MemoryStats, MetricsCsv, PhaseTimes, StepRecord, TimingLog, PHASES};
-use crate::model::params::{Dims, ModelParams};
+use crate::metrics::{
+    flops_per_token, fmt_duration, peak_rss_bytes, rss_bytes, CheckpointIo, CheckpointIoLog, MemoryStats, MetricsCsv, PhaseTimes,
+    StepRecord, TimingLog, PHASES,
+};
+use crate::model::params::Dims;
 use crate::model::{Model, Par, Tokens};
 use crate::optim::{clip_coefficient, lr_at, AdamW};
 use crate::real::{matmul, Mat, MatMut};
@@ -25,11 +30,13 @@ pub type Error = Box<dyn std::error::Error + Send + Sync>;
 /// What a finished run reports to its caller (tests read it; the console has printed it).
 #[derive(Clone, Debug)]
 pub struct RunSummary {
+    /// The losses of the steps this invocation ran.
     pub losses: Vec<f64>,
     pub entropy_floor: Option<f64>,
-    pub final_params: ModelParams<f32>,
     pub activation_bytes: usize,
     pub mean_step_s: f64,
+    /// A stop signal ended the run early, after writing a checkpoint.
+    pub preempted: bool,
 }
 
 /// Measured f32 GEMM rate of this rank on its threads (FLOP/s): the MFU denominator when the
@@ -66,22 +73,58 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
 
     // Model state: this rank's shards (the whole model when the fsdp degree is 1).
     // Tensors are first cut for tensor parallelism (this tp rank's piece: `dims`), then
-    // sharded over fsdp.
+    // sharded over fsdp. A resumed or imported model is read slice by slice into zero shards.
     let reshard = deck.parallel.reshard_after_forward;
     let dims = Dims::new(mcfg, mesh.tp.size(), mesh.tp.rank());
-    let mut params = if deck.checkpoint.init_from.is_empty() {
-        FsdpParams::init(&dims, deck.run.seed, &mesh.fsdp, reshard)
+    let ckpt_dir = res.deck.checkpoint_dir();
+    let candidates = ckpt::resume_candidates(&deck.checkpoint.resume, &ckpt_dir)?;
+    let load_from_files = !candidates.is_empty() || !deck.checkpoint.init_from.is_empty();
+    let rss_before_load = rss_bytes();
+    let load_start = Instant::now();
+    let mut params = if load_from_files {
+        FsdpParams::zeros(&dims, &mesh.fsdp, reshard)
     } else {
-        let dir = Path::new(&deck.checkpoint.init_from);
-        crate::hf::check_config(dir, mcfg)?;
-        say!("init_from: {}", dir.display());
-        let whole = crate::hf::load_params(dir, mcfg)?;
-        FsdpParams::from_full(&crate::tp::local_from_global(&whole, &dims), &dims, &mesh.fsdp, reshard)
+        FsdpParams::init(&dims, deck.run.seed, &mesh.fsdp, reshard)
     };
     params.overlap = deck.parallel.overlap;
-    let mut grads = FsdpGrads::new(&dims, &mesh.fsdp, &mesh.dp_rep);
+    let blocks = shard_blocks(&params.plan, &dims, mesh.dp_rep.rank() == 0);
     let mut opt = AdamW::<f32>::for_slots(&params.plan.optimizer_slots(), ocfg);
     let shard_bytes = params.plan.shard_elements() * 4;
+    let mut ckpt_log = if rank == 0 {
+        Some(CheckpointIoLog::create(&out_dir.join("checkpoint_io.csv"), if candidates.is_empty() { 0 } else { u64::MAX })?)
+    } else {
+        None
+    };
+    let mut start_step = 0;
+    if !candidates.is_empty() {
+        let auto = deck.checkpoint.resume == "auto";
+        let (meta, path, bytes) = resume(&candidates, auto, res, mesh, &blocks, &mut params, &mut opt)?;
+        start_step = meta.step;
+        say!(
+            "resumed from {} (step {}, written by {}; {} tokens seen){}",
+            path.display(),
+            meta.step,
+            meta.layout,
+            meta.tokens_seen,
+            if meta.run_steps != deck.run.steps {
+                format!("; the LR schedule now spans {} steps (the checkpoint's run had {})", deck.run.steps, meta.run_steps)
+            } else {
+                String::new()
+            }
+        );
+        log_load(mesh, &mut ckpt_log, start_step, &path, bytes, load_start, rss_before_load, 3 * shard_bytes)?;
+    } else if !deck.checkpoint.init_from.is_empty() {
+        let dir = Path::new(&deck.checkpoint.init_from);
+        let reader = crate::hf::SliceReader::open(dir, mcfg)?;
+        let mut bytes = 0;
+        for (slot, b) in params.slots_mut().into_iter().zip(&blocks) {
+            reader.read_block(&b.name, &b.start, &b.count, &mut slot[..b.len()])?;
+            bytes += 4 * b.len() as u64;
+        }
+        say!("init_from: {} (each rank read only its slices)", dir.display());
+        log_load(mesh, &mut ckpt_log, 0, dir, bytes, load_start, rss_before_load, shard_bytes)?;
+    }
+    let mut grads = FsdpGrads::new(&dims, &mesh.fsdp, &mesh.dp_rep);
     let n_params = crate::model::params::param_specs(mcfg).iter().map(|s| s.numel()).sum::<usize>();
     let cp = mesh.cp.size();
     let mut model =
@@ -100,8 +143,8 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let loader = Loader::new(&deck.data, source, s, mb, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed)?;
 
     // Logs.
-    let mut metrics = if rank == 0 { Some(MetricsCsv::create(&out_dir.join("metrics.csv"))?) } else { None };
-    let mut timing = TimingLog::create(&out_dir.join("timing"), rank)?;
+    let mut metrics = if rank == 0 { Some(MetricsCsv::create(&out_dir.join("metrics.csv"), start_step)?) } else { None };
+    let mut timing = TimingLog::create(&out_dir.join("timing"), rank, start_step)?;
     let peak = if deck.hardware.peak_flops_per_rank > 0.0 { deck.hardware.peak_flops_per_rank } else { probe_gemm_flops() };
     let peak_src = if deck.hardware.peak_flops_per_rank > 0.0 { "[hardware] peak_flops_per_rank" } else { "measured f32 GEMM probe" };
     let flops_tok = flops_per_token(mcfg, s);
@@ -121,8 +164,13 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let mut totals = PhaseTimes::default();
     let run_start = Instant::now();
     let mut step_times = Vec::new();
+    let mut preempted = false;
+    crate::preempt::install()?;
+    if start_step >= steps {
+        say!("the checkpoint is at step {start_step}, [run] steps = {steps}: nothing left to train");
+    }
 
-    for step in 0..steps {
+    for step in start_step..steps {
         let step_start = Instant::now();
         let mut pt = PhaseTimes::default();
         grads.zero();
@@ -178,8 +226,19 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
 
         let step_s = step_start.elapsed().as_secs_f64();
         step_times.push(step_s);
-        totals.add(&pt);
         losses.push(loss);
+
+        // A stop signal on any rank ends the run here, at a step boundary, with a checkpoint.
+        let mut stop = [crate::preempt::requested() as u64];
+        mesh.world.agree_max_u64(&mut stop);
+        preempted = stop[0] != 0;
+        let every = deck.checkpoint.every;
+        if preempted || (every > 0 && ((step + 1) % every == 0 || step + 1 == steps)) {
+            let t_ckpt = Instant::now();
+            save_checkpoint(res, mesh, &ckpt_dir, step + 1, &opt, &params, &blocks, &mut ckpt_log, 3 * shard_bytes)?;
+            pt.0[5] += t_ckpt.elapsed().as_secs_f64();
+        }
+        totals.add(&pt);
         let comm: BTreeMap<String, CommCount> =
             mesh.groups().iter().flat_map(|g| g.take_counts().into_iter().map(move |(k, c)| (format!("{}.{k}", g.name()), c))).collect();
         let mem = MemoryStats {
@@ -206,7 +265,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         if let Some(m) = metrics.as_mut() {
             m.append(&rec)?;
         }
-        if (step + 1) % deck.log.every == 0 || step + 1 == steps {
+        if (step + 1) % deck.log.every == 0 || step + 1 == steps || preempted {
             let eta = elapsed / (step + 1) as f64 * (steps - step - 1) as f64;
             say!(
                 "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>5.1}% {:>9} {:>8}",
@@ -219,6 +278,14 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
                 fmt_duration(elapsed),
                 fmt_duration(eta)
             );
+        }
+        if preempted {
+            say!(
+                "stop signal (SIGTERM/SIGUSR1): checkpoint of step {} written; exiting with code {} so the job can be requeued",
+                step + 1,
+                crate::cli::EXIT_PREEMPTED
+            );
+            break;
         }
     }
 
@@ -253,11 +320,15 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     if hi_lo[0] != u64::MAX - hi_lo[1] {
         return Err("replicated tensors (norm weights) differ across tp ranks: tensor-parallel updates diverged".into());
     }
-    let final_params = crate::tp::global_from_local(&params.gather_full(), mcfg, &mesh.tp);
-    if !deck.checkpoint.export_hf.is_empty() && rank == 0 {
-        let dir = Path::new(&deck.checkpoint.export_hf);
-        crate::hf::save_params(dir, mcfg, &final_params)?;
-        say!("exported the final model to {} (Hugging Face format)", dir.display());
+    if !deck.checkpoint.export_hf.is_empty() && !preempted {
+        // Gathers the whole model on every rank: an export for small models and tests; for
+        // large ones, `ndtrain ckpt export` converts a checkpoint one tensor at a time.
+        let final_params = crate::tp::global_from_local(&params.gather_full(), mcfg, &mesh.tp);
+        if rank == 0 {
+            let dir = Path::new(&deck.checkpoint.export_hf);
+            crate::hf::save_params(dir, mcfg, &final_params)?;
+            say!("exported the final model to {} (Hugging Face format)", dir.display());
+        }
     }
     if tcfg.activation_checkpointing == ActCkpt::Full {
         say!("activation checkpointing: full ({:.1} MiB held)", act as f64 / 1048576.0);
@@ -265,8 +336,151 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     Ok(RunSummary {
         losses,
         entropy_floor: floor,
-        final_params,
         activation_bytes: act,
         mean_step_s: step_times.iter().sum::<f64>() / step_times.len().max(1) as f64,
+        preempted,
     })
+}
+
+/// Loads the first usable checkpoint of `candidates` into the shards and moments. With
+/// `auto`, a corrupt one is reported and the next older tried; a checkpoint that does not fit
+/// the run (another model, batch or seed) is always an error.
+fn resume(
+    candidates: &[std::path::PathBuf],
+    auto: bool,
+    res: &Resolved,
+    mesh: &Mesh,
+    blocks: &[ShardBlock],
+    params: &mut FsdpParams<'_>,
+    opt: &mut AdamW<f32>,
+) -> Result<(Meta, std::path::PathBuf, u64), Error> {
+    for path in candidates {
+        let attempt = ckpt::Reader::open_parallel(path, &mesh.world).and_then(|r| {
+            ckpt::check_compatible(&r.meta, &res.deck, res.global_batch, path)?;
+            let meta = r.meta.clone();
+            let state = [
+                params.slots_mut(),
+                opt.exp_avg.iter_mut().map(|v| v.as_mut_slice()).collect(),
+                opt.exp_avg_sq.iter_mut().map(|v| v.as_mut_slice()).collect(),
+            ];
+            let report = r.read_into(blocks, state, &mesh.world)?;
+            Ok((meta, report.bytes))
+        });
+        match attempt {
+            Ok((meta, bytes)) => {
+                opt.t = meta.optim_step;
+                return Ok((meta, path.clone(), bytes));
+            }
+            Err(LoadError::Corrupt(e)) if auto => say!("resume = \"auto\": skipping a checkpoint that is not valid: {e}"),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(format!("resume = \"auto\": no checkpoint in {} is valid (each failed as reported above)", res.deck.checkpoint_dir().display())
+        .into())
+}
+
+/// Records a load (a resume or `init_from`) in `checkpoint_io.csv`: bytes read by all ranks,
+/// the slowest rank's time, and the largest resident memory before and after.
+#[allow(clippy::too_many_arguments)]
+fn log_load(
+    mesh: &Mesh,
+    log: &mut Option<CheckpointIoLog>,
+    step: u64,
+    file: &Path,
+    bytes: u64,
+    start: Instant,
+    rss_before: u64,
+    state_bytes: usize,
+) -> Result<(), Error> {
+    let seconds = mesh.world.min_max_sum_f64(start.elapsed().as_secs_f64()).1;
+    let total = mesh.world.min_max_sum_f64(bytes as f64).2 as u64;
+    let before = mesh.world.min_max_sum_f64(rss_before as f64).1 as u64;
+    let peak = mesh.world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;
+    say!(
+        "loaded {:.1} MiB in {:.2} s; per rank: model state {:.1} MiB, resident {:.1} MiB before and peak {:.1} MiB after loading",
+        total as f64 / 1048576.0,
+        seconds,
+        state_bytes as f64 / 1048576.0,
+        before as f64 / 1048576.0,
+        peak as f64 / 1048576.0
+    );
+    if let Some(l) = log.as_mut() {
+        l.append(&CheckpointIo {
+            event: "load",
+            step,
+            file,
+            bytes: total,
+            seconds,
+            collective: true,
+            rss_before_bytes: before,
+            peak_rss_bytes: peak,
+            state_bytes_per_rank: state_bytes as u64,
+        })?;
+    }
+    Ok(())
+}
+
+/// Writes the checkpoint after `step` optimiser steps and records it in `checkpoint_io.csv`.
+#[allow(clippy::too_many_arguments)]
+fn save_checkpoint(
+    res: &Resolved,
+    mesh: &Mesh,
+    dir: &Path,
+    step: u64,
+    opt: &AdamW<f32>,
+    params: &FsdpParams<'_>,
+    blocks: &[ShardBlock],
+    log: &mut Option<CheckpointIoLog>,
+    state_bytes: usize,
+) -> Result<(), Error> {
+    let deck = &res.deck;
+    let l = res.layout;
+    let samples = step * res.global_batch as u64;
+    let meta = Meta {
+        step,
+        tokens_seen: samples * deck.train.seq_len as u64,
+        optim_step: opt.t,
+        seed: deck.run.seed,
+        run_steps: deck.run.steps,
+        data: DataState {
+            next_step: step,
+            samples_seen: samples,
+            global_batch: res.global_batch,
+            seq_len: deck.train.seq_len,
+            order: format!("{:?}", deck.data.order).to_lowercase(),
+        },
+        deck: deck.to_toml(),
+        layout: WriterLayout { dp_replicate: l.dp_replicate, dp_shard: l.dp_shard, cp: l.cp, tp: l.tp, world: mesh.world.size() },
+        model: deck.model.clone(),
+        ndtrain_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let rss_before = mesh.world.min_max_sum_f64(rss_bytes() as f64).1 as u64;
+    let p = params.slots();
+    let m: Vec<&[f32]> = opt.exp_avg.iter().map(|v| v.as_slice()).collect();
+    let v: Vec<&[f32]> = opt.exp_avg_sq.iter().map(|v| v.as_slice()).collect();
+    let report = ckpt::save(dir, deck.checkpoint.keep, &meta, blocks, [&p, &m, &v], &mesh.world)?;
+    let seconds = mesh.world.min_max_sum_f64(report.seconds).1;
+    let peak = mesh.world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;
+    say!(
+        "checkpoint {}: {:.1} MiB in {:.2} s ({:.0} MB/s{})",
+        report.path.display(),
+        report.bytes as f64 / 1048576.0,
+        seconds,
+        report.bytes as f64 / 1e6 / seconds.max(1e-9),
+        if report.collective { ", collective MPI-IO" } else { ", independent I/O" }
+    );
+    if let Some(l) = log.as_mut() {
+        l.append(&CheckpointIo {
+            event: "write",
+            step,
+            file: &report.path,
+            bytes: report.bytes,
+            seconds,
+            collective: report.collective,
+            rss_before_bytes: rss_before,
+            peak_rss_bytes: peak,
+            state_bytes_per_rank: state_bytes as u64,
+        })?;
+    }
+    Ok(())
 }

@@ -91,6 +91,13 @@ fn init_from_hugging_face_folder_trains() {
     let (_, l) = train_losses(dir.path(), "hf", &tiny_deck(), None, &sets);
     assert_eq!(l.len(), 3);
     assert!(l.iter().all(|x| x.is_finite()));
+    // Each of four ranks (FSDP=2×TP=2) reads only its slices of the file: the same model.
+    let mut sharded = sets.to_vec();
+    sharded.push("parallel.tp=2");
+    let (_, l4) = train_losses(dir.path(), "hf_fsdp2_tp2", &tiny_deck(), Some(4), &sharded);
+    for (s, (a, b)) in l.iter().zip(&l4).enumerate() {
+        assert!((a - b).abs() < LOSS_TOL, "step {}: one rank {a} vs FSDP=2×TP=2 {b}", s + 1);
+    }
     // A mismatched deck is refused, naming the Hugging Face key.
     let o = run_single(&["train", tiny_deck().to_str().unwrap(), "--set", &init]);
     assert!(!o.status.success());

@@ -338,6 +338,15 @@ impl Deck {
     }
 
     /// The resolved deck as TOML (what the run saves as `deck.toml`).
+    /// `[checkpoint] dir`, or `<out_dir>/ckpt` when empty.
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        if self.checkpoint.dir.is_empty() {
+            self.run.out_dir().join("ckpt")
+        } else {
+            PathBuf::from(&self.checkpoint.dir)
+        }
+    }
+
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a Deck always serialises")
     }
