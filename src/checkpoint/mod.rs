@@ -236,6 +236,9 @@ pub fn save(
 /// temporaries of crashed writes).
 fn publish(dir: &Path, tmp: &Path, final_path: &Path, keep: usize, step: u64) -> Result<(), String> {
     let io = |what: &str, e: std::io::Error| format!("{what}: {e}");
+    // The data must be durable before the name is: MPI_File_sync is not a guaranteed fsync on
+    // every MPI-IO implementation, so sync the file explicitly (all of its dirty pages).
+    std::fs::File::open(tmp).and_then(|f| f.sync_all()).map_err(|e| io(&format!("syncing {}", tmp.display()), e))?;
     std::fs::rename(tmp, final_path).map_err(|e| io(&format!("renaming {} to {}", tmp.display(), final_path.display()), e))?;
     let sync_dir = || std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(&format!("syncing {}", dir.display()), e));
     sync_dir()?;
