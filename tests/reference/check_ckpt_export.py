@@ -27,7 +27,7 @@ with tempfile.TemporaryDirectory() as d:
     tokens = np.random.default_rng(0).integers(0, 128, size=100 * S + 1).astype(np.uint16)
     with h5py.File(f"{d}/tokens.h5", "w") as f:
         f["tokens"] = tokens
-    common = ["--set", 'data.source="hdf5"', "--set", f'data.path="{d}/tokens.h5"', "--set", "run.threads=1"]
+    common = ["--set", "optim.warmup_steps=2", "--set", 'data.source="hdf5"', "--set", f'data.path="{d}/tokens.h5"', "--set", "run.threads=1"]
     for l in args.layout:
         common += ["--set", l]
     launch = ["mpirun", "--oversubscribe", "-n", str(args.ranks), nd] if args.ranks > 1 else [nd]
