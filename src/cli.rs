@@ -39,19 +39,42 @@ enum Cmd {
         #[arg(long = "set", value_name = "TABLE.KEY=VALUE")]
         set: Vec<String>,
     },
-    /// Validate a deck for a world size and print what the run will be, without training.
+    /// Validate a deck for a world size and predict its memory, communication and FLOPs per
+    /// rank, without training (or rank every layout of the world with `--all-layouts`).
     Plan {
         deck: PathBuf,
         /// Ranks the job will have.
         #[arg(long, default_value_t = 1)]
         ranks: usize,
+        /// Ranks per node (default: the deck's `[hardware] ranks_per_node`).
+        #[arg(long)]
+        ranks_per_node: Option<usize>,
+        /// Enumerate every valid (dp_replicate, dp_shard, cp, tp) and rank them by the cost model.
+        #[arg(long)]
+        all_layouts: bool,
         #[arg(long = "set", value_name = "TABLE.KEY=VALUE")]
         set: Vec<String>,
+    },
+    /// Measure this rank's f32 GEMM rate and memory bandwidth on its threads (the `[hardware]`
+    /// peak for MFU and planning).
+    Probe {
+        /// Threads (default: all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
     },
     /// Prepare token files.
     Data {
         #[command(subcommand)]
         cmd: DataCmd,
+    },
+    /// Summarise the logs of one or more runs: Markdown/CSV tables and PNG plots.
+    Report {
+        /// Run directories (each holding deck.toml, metrics.csv and timing/).
+        #[arg(required = true)]
+        runs: Vec<PathBuf>,
+        /// Where to write the report (default: `<first run>/report`).
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Inspect, verify or convert a checkpoint (one process, no MPI job needed).
     Ckpt {
@@ -104,8 +127,24 @@ pub fn main() -> i32 {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     match cli.cmd {
         Cmd::Train { deck, set } => run_train(deck, set),
-        Cmd::Plan { deck, ranks, set } => run_plan(deck, ranks, set),
+        Cmd::Plan { deck, ranks, ranks_per_node, all_layouts, set } => run_plan(deck, ranks, ranks_per_node, all_layouts, set),
+        Cmd::Probe { threads } => run_probe(threads),
         Cmd::Ckpt { cmd } => run_ckpt(cmd),
+        Cmd::Report { runs, out } => {
+            let out = out.unwrap_or_else(|| runs[0].join("report"));
+            match crate::report::run(&runs, &out) {
+                Ok(files) => {
+                    for f in files {
+                        println!("wrote {}", f.display());
+                    }
+                    0
+                }
+                Err(e) => {
+                    report_error(&e);
+                    EXIT_RUN_FAILED
+                }
+            }
+        }
         Cmd::Data { cmd: DataCmd::Prepare { input, output, tokenizer, dataset } } => {
             let args = crate::data::prepare::PrepareArgs { input, output, tokenizer, dataset };
             match crate::data::prepare::run(&args) {
@@ -148,8 +187,33 @@ fn run_ckpt(cmd: CkptCmd) -> i32 {
     }
 }
 
-fn run_plan(deck: PathBuf, ranks: usize, set: Vec<String>) -> i32 {
-    let res = match Deck::from_file(&deck, &set).and_then(|d| d.resolve(ranks)) {
+fn run_plan(deck: PathBuf, ranks: usize, ranks_per_node: Option<usize>, all_layouts: bool, set: Vec<String>) -> i32 {
+    let parsed = match Deck::from_file(&deck, &set) {
+        Ok(d) => d,
+        Err(e) => {
+            report_error(&e);
+            return EXIT_BAD_INPUT;
+        }
+    };
+    let mut hw = parsed.hardware.clone();
+    if let Some(r) = ranks_per_node {
+        hw.ranks_per_node = r.max(1);
+    }
+    let peak = if hw.peak_flops_per_rank > 0.0 { hw.peak_flops_per_rank } else { crate::train::probe_gemm_flops() };
+    if all_layouts {
+        if let Err(e) = parsed.validate() {
+            report_error(&e);
+            return EXIT_BAD_INPUT;
+        }
+        let (ranked, refused) = crate::plan::rank_layouts(&parsed, ranks, &hw, peak);
+        if ranked.is_empty() {
+            report_error(&format!("no layout of {ranks} ranks is valid for deck {} ({refused} refused)", deck.display()));
+            return EXIT_BAD_INPUT;
+        }
+        print!("{}", crate::plan::describe_ranking(&ranked, refused, &hw, peak));
+        return 0;
+    }
+    let res = match parsed.resolve(ranks) {
         Ok(r) => r,
         Err(e) => {
             report_error(&e);
@@ -162,12 +226,36 @@ fn run_plan(deck: PathBuf, ranks: usize, set: Vec<String>) -> i32 {
     for line in &res.summary {
         println!("{line}");
     }
+    println!("parameters: {n} ({} in f32; with gradients and AdamW moments {})", plan_bytes(n * 4), plan_bytes(n * 16));
+    let p = crate::plan::plan(&res);
+    print!("{}", crate::plan::describe(&p, &res, &hw));
+    let c = crate::plan::cost(&p, &res.deck, &hw, peak);
     println!(
-        "parameters: {n} ({:.1} MiB in f32; weights+grads+2 moments: {:.1} MiB)",
-        n as f64 * 4.0 / 1048576.0,
-        n as f64 * 16.0 / 1048576.0
+        "
+cost model: {:.3} s compute + {:.3} s communication = {:.3} s per step, {:.0} tokens/s (peak {:.3e} FLOP/s per rank{})",
+        c.compute_s,
+        c.step_s - c.compute_s,
+        c.step_s,
+        c.tokens_per_s,
+        peak,
+        if hw.peak_flops_per_rank > 0.0 { ", [hardware]" } else { ", measured here by the GEMM probe" }
     );
-    println!("FLOPs per token: {:.4e}", crate::metrics::flops_per_token(m, res.deck.train.seq_len));
+    0
+}
+
+fn plan_bytes(b: usize) -> String {
+    crate::plan::human_bytes(b as f64)
+}
+
+fn run_probe(threads: usize) -> i32 {
+    let threads = if threads > 0 { threads } else { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) };
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    crate::real::set_gemm_threads(threads);
+    let flops = crate::train::probe_gemm_flops();
+    let bw = crate::train::probe_memory_bandwidth();
+    println!("f32 GEMM (1024³, best of 4) on {threads} thread(s): {:.3e} FLOP/s", flops);
+    println!("memory bandwidth (triad a = b + s·c over 3 × 64 MiB, best of 5) on {threads} thread(s): {:.3e} bytes/s", bw);
+    println!("\n[hardware]\npeak_flops_per_rank = {flops:.4e}");
     0
 }
 

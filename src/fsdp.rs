@@ -106,6 +106,21 @@ impl ShardPlan {
         self.units.iter().map(|u| u.shard_len).sum()
     }
 
+    /// The largest unit shard.
+    pub fn max_shard_len(&self) -> usize {
+        self.units.iter().map(|u| u.shard_len).max().unwrap_or(0)
+    }
+
+    /// The largest gathered unit (`degree` shards, padding included): the gather buffer.
+    pub fn max_gathered_len(&self) -> usize {
+        self.max_shard_len() * self.degree
+    }
+
+    /// Elements of unit `unit`'s tensors held whole (no padding).
+    pub fn unit_elements(&self, unit: usize) -> usize {
+        self.units[unit].tensors.iter().map(|t| t.rows * t.cols).sum()
+    }
+
     /// Copies the rows rank `rank` owns of every tensor of `unit` from whole tensors into a
     /// flat shard (zero padding).
     fn pack(&self, unit: usize, full: &[&[f32]], rank: usize, shard: &mut [f32]) {
@@ -190,7 +205,6 @@ impl<'g> FsdpParams<'g> {
         let plan = ShardPlan::new(m, fsdp.size(), fsdp.rank());
         let shards = plan.units.iter().map(|u| vec![0.0; u.shard_len]).collect();
         FsdpParams {
-            plan,
             fsdp,
             m: m.clone(),
             shards,
@@ -200,11 +214,13 @@ impl<'g> FsdpParams<'g> {
             globals: None,
             blocks: (0..m.layers).map(|_| None).collect(),
             spare: vec![],
-            gather_buf: vec![],
+            // Sized once for the largest unit, so no collective ever reallocates them.
+            gather_buf: Vec::with_capacity(plan.max_gathered_len()),
             prefetch: None,
-            send_buf: vec![],
+            send_buf: Vec::with_capacity(plan.max_shard_len()),
             gathered_bytes: 0,
             gathered_peak_bytes: 0,
+            plan,
         }
     }
 
@@ -275,10 +291,10 @@ impl<'g> FsdpParams<'g> {
     }
 
     /// Tracks unpacked (gathered) bytes; the peak also counts the gather buffers, which hold a
-    /// prefetched block while another is in use.
+    /// prefetched block while another is in use (the send buffer only with overlap).
     fn track(&mut self, delta: isize) {
         self.gathered_bytes = (self.gathered_bytes as isize + delta) as usize;
-        let buffers = (self.gather_buf.capacity() + self.send_buf.capacity()) * 4;
+        let buffers = 4 * (self.plan.max_gathered_len() + if self.overlap { self.plan.max_shard_len() } else { 0 });
         self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes + buffers);
     }
 
@@ -289,7 +305,7 @@ impl<'g> FsdpParams<'g> {
             let mut g = ModelParams::<f32>::zeros_local(&Dims { layers: 0, ..self.m.clone() });
             self.gather_unit(0);
             self.plan.unpack(0, &self.gather_buf, &mut globals_tensors_mut(&mut g));
-            self.track((self.plan.units[0].shard_len * self.plan.degree * 4) as isize);
+            self.track((self.plan.unit_elements(0) * 4) as isize);
             self.globals = Some(g);
         }
     }
@@ -306,7 +322,7 @@ impl<'g> FsdpParams<'g> {
             self.gather_buf = recv;
         }
         if self.globals.take().is_some() {
-            self.track(-((self.plan.units[0].shard_len * self.plan.degree * 4) as isize));
+            self.track(-((self.plan.unit_elements(0) * 4) as isize));
         }
         debug_assert!(self.blocks.iter().all(|b| b.is_none()), "every block is freed after backward");
     }
@@ -380,7 +396,7 @@ impl WeightSource<f32> for FsdpParams<'_> {
                 self.gather_unit(l + 1);
             }
             self.plan.unpack(l + 1, &self.gather_buf, &mut buf.tensors_mut());
-            self.track((self.plan.units[l + 1].shard_len * self.plan.degree * 4) as isize);
+            self.track((self.plan.unit_elements(l + 1) * 4) as isize);
             self.blocks[l] = Some(buf);
         }
         // Overlap: the block the model will ask for next is gathered while this one computes.
@@ -401,7 +417,7 @@ impl WeightSource<f32> for FsdpParams<'_> {
             return;
         }
         if let Some(b) = self.blocks[l].take() {
-            self.track(-((self.plan.units[l + 1].shard_len * self.plan.degree * 4) as isize));
+            self.track(-((self.plan.unit_elements(l + 1) * 4) as isize));
             self.spare.push(b);
         }
     }
@@ -432,18 +448,18 @@ impl<'g> FsdpGrads<'g> {
         let plan = ShardPlan::new(m, fsdp.size(), fsdp.rank());
         let shards = plan.units.iter().map(|u| vec![0.0; u.shard_len]).collect();
         FsdpGrads {
-            plan,
             fsdp,
             dp_rep,
             shards,
             globals: ModelParams::zeros_local(&Dims { layers: 0, ..m.clone() }),
             block: LayerParams::zeros(m),
             current: None,
-            pack_buf: vec![],
-            recv_buf: vec![],
+            pack_buf: Vec::with_capacity(if plan.degree > 1 { plan.max_gathered_len() } else { 0 }),
+            recv_buf: Vec::with_capacity(if plan.degree > 1 { plan.max_shard_len() } else { 0 }),
             last_micro: false,
             inflight: (0..=m.layers).map(|_| None).collect(),
             spare: (0..=m.layers).map(|_| vec![]).collect(),
+            plan,
         }
     }
 
@@ -515,12 +531,16 @@ impl<'g> FsdpGrads<'g> {
         self.last_micro = false;
     }
 
-    /// Bytes of whole-tensor gradient scratch (global tensors and one block).
+    /// Bytes of gradient scratch: the whole-tensor gradients of the global tensors and one
+    /// block, the reduce-scatter's packed input and output (fsdp degree > 1), and the outer
+    /// all-reduce's second copy of the shards (dp_rep degree > 1).
     pub fn scratch_bytes(&self) -> usize {
         let g: usize = [&self.globals.embed_tokens, &self.globals.norm].iter().map(|t| t.len()).sum::<usize>()
             + self.globals.lm_head.as_ref().map_or(0, |h| h.len());
         let b: usize = self.block.tensors().iter().map(|t| t.len()).sum();
-        (g + b) * 4
+        let reduce = self.pack_buf.capacity() + self.recv_buf.capacity();
+        let outer = if self.dp_rep.size() > 1 { self.plan.shard_elements() } else { 0 };
+        (g + b + reduce + outer) * 4
     }
 
     /// This rank's part of the squared global norm (padding is zero and adds nothing). A
@@ -605,6 +625,43 @@ impl GradSink<f32> for FsdpGrads<'_> {
         if self.last_micro {
             self.start_outer_reduce(0);
         }
+    }
+}
+
+/// The model-state memory of one rank, in bytes, by category (what the timing log's memory
+/// columns report), predicted from the plan alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateMemory {
+    pub params: usize,
+    pub grads: usize,
+    pub optim: usize,
+    /// High-water mark of gathered parameters: the global tensors, the blocks held at once
+    /// (one with `reshard_after_forward`, all without) and the gather buffers.
+    pub gathered_peak: usize,
+    pub grad_scratch: usize,
+}
+
+impl StateMemory {
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.optim + self.gathered_peak + self.grad_scratch
+    }
+}
+
+/// What [`FsdpParams`], [`FsdpGrads`] and AdamW hold on a rank with this `plan`.
+pub fn predicted_memory(plan: &ShardPlan, dp_rep: usize, reshard: bool, overlap: bool) -> StateMemory {
+    let shard = 4 * plan.shard_elements();
+    let blocks = plan.units.len() - 1;
+    let block = (1..=blocks).map(|u| plan.unit_elements(u)).max().unwrap_or(0);
+    let held = if reshard { blocks.min(1) } else { blocks };
+    let buffers = plan.max_gathered_len() + if overlap { plan.max_shard_len() } else { 0 };
+    let reduce = if plan.degree > 1 { plan.max_gathered_len() + plan.max_shard_len() } else { 0 };
+    let outer = if dp_rep > 1 { plan.shard_elements() } else { 0 };
+    StateMemory {
+        params: shard,
+        grads: shard,
+        optim: 2 * shard,
+        gathered_peak: 4 * (plan.unit_elements(0) + held * block + buffers),
+        grad_scratch: 4 * (plan.unit_elements(0) + block + reduce + outer),
     }
 }
 

@@ -82,6 +82,8 @@ pub struct StepRecord {
     pub mfu: f64,
     pub step_s: f64,
     pub elapsed_s: f64,
+    /// Ranks of the job (for tokens/s per rank).
+    pub world: usize,
 }
 
 /// `<out_dir>/metrics.csv`: one row per optimiser step, written by rank 0.
@@ -93,26 +95,37 @@ impl MetricsCsv {
     /// Creates the file, or on a resume at step `resumed_at` keeps the rows of steps up to it
     /// (a run that continues in its own directory keeps one unbroken log).
     pub fn create(path: &Path, resumed_at: u64) -> std::io::Result<Self> {
-        let out = open_log(path, "step,loss,lr,grad_norm,tokens_per_s,mfu,step_s,elapsed_s", resumed_at)?;
+        let out = open_log(path, "step,loss,lr,grad_norm,tokens_per_s,tokens_per_s_per_rank,mfu,step_s,elapsed_s", resumed_at)?;
         Ok(MetricsCsv { out })
     }
 
     pub fn append(&mut self, r: &StepRecord) -> std::io::Result<()> {
         writeln!(
             self.out,
-            "{},{:.9e},{:.9e},{:.9e},{:.6e},{:.6e},{:.6e},{:.6e}",
-            r.step, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.mfu, r.step_s, r.elapsed_s
+            "{},{:.9e},{:.9e},{:.9e},{:.6e},{:.6e},{:.6e},{:.6e},{:.6e}",
+            r.step,
+            r.loss,
+            r.lr,
+            r.grad_norm,
+            r.tokens_per_s,
+            r.tokens_per_s / r.world.max(1) as f64,
+            r.mfu,
+            r.step_s,
+            r.elapsed_s
         )?;
         self.out.flush()
     }
 }
 
 /// The phases a step's wall time is split into.
-pub const PHASES: [&str; 6] = ["data", "forward", "backward", "comm", "optimizer", "checkpoint"];
+/// `comm` is the gradient traffic after the last backward (the outer all-reduce, norms, the
+/// loss); `wait` the step's synchronisation points (the token count before the first forward,
+/// the stop-signal agreement), where a fast rank waits for the slowest.
+pub const PHASES: [&str; 7] = ["data", "forward", "backward", "comm", "optimizer", "checkpoint", "wait"];
 
 /// Per-step phase times of this rank, in seconds, in `PHASES` order.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PhaseTimes(pub [f64; 6]);
+pub struct PhaseTimes(pub [f64; 7]);
 
 impl PhaseTimes {
     pub fn add(&mut self, other: &PhaseTimes) {
@@ -159,18 +172,35 @@ impl MemoryStats {
     }
 }
 
+/// One row of a [`TimingLog`].
+pub struct StepTiming<'a> {
+    pub step: u64,
+    pub step_s: f64,
+    pub phases: &'a PhaseTimes,
+    /// Writing the previous step's logs.
+    pub log_s: f64,
+    /// Counters of this step by `group.kind`.
+    pub comm: &'a std::collections::BTreeMap<String, crate::comm::CommCount>,
+    pub mem: &'a MemoryStats,
+    pub attention_pairs: u64,
+}
+
 /// `<out_dir>/timing/rank_<5 digits>.csv`: one row per step of this rank's phase times, the
 /// time and bytes of each collective (`COLLECTIVES`), model-state memory and peak RSS.
 /// Flushed every step (cheap, and a killed job keeps its log).
 pub struct TimingLog {
     out: BufWriter<File>,
+    /// Resident memory when the log was created, before the model state is allocated: peak
+    /// RSS minus this is what the run itself needed.
+    rss_start: u64,
 }
 
 impl TimingLog {
-    pub fn create(dir: &Path, rank: usize, resumed_at: u64) -> std::io::Result<Self> {
+    pub fn create(dir: &Path, rank: usize, resumed_at: u64, rss_start: u64) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut cols = vec!["step".to_string(), "step_s".to_string()];
         cols.extend(PHASES.iter().map(|p| format!("{p}_s")));
+        cols.push("log_s".to_string());
         for c in COLLECTIVES {
             cols.push(format!("{c}_s"));
             cols.push(format!("{c}_bytes"));
@@ -184,26 +214,21 @@ impl TimingLog {
                 "grad_scratch_bytes",
                 "activation_bytes",
                 "peak_rss_bytes",
+                "rss_start_bytes",
                 "attention_pairs",
             ]
             .map(String::from),
         );
         let out = open_log(&dir.join(format!("rank_{rank:05}.csv")), &cols.join(","), resumed_at)?;
-        Ok(TimingLog { out })
+        Ok(TimingLog { out, rss_start })
     }
 
-    /// `comm` maps `group.kind` to its counters for this step.
-    pub fn append(
-        &mut self,
-        step: u64,
-        step_s: f64,
-        t: &PhaseTimes,
-        comm: &std::collections::BTreeMap<String, crate::comm::CommCount>,
-        mem: &MemoryStats,
-        attention_pairs: u64,
-    ) -> std::io::Result<()> {
-        let mut row = vec![step.to_string(), format!("{step_s:.6e}")];
-        row.extend(t.0.iter().map(|x| format!("{x:.6e}")));
+    /// Appends the row of one step.
+    pub fn append(&mut self, r: &StepTiming<'_>) -> std::io::Result<()> {
+        let (mem, comm) = (r.mem, r.comm);
+        let mut row = vec![r.step.to_string(), format!("{:.6e}", r.step_s)];
+        row.extend(r.phases.0.iter().map(|x| format!("{x:.6e}")));
+        row.push(format!("{:.6e}", r.log_s));
         for c in COLLECTIVES {
             let k = comm.get(c).copied().unwrap_or_default();
             row.push(format!("{:.6e}", k.seconds));
@@ -213,7 +238,8 @@ impl TimingLog {
             row.push(v.to_string());
         }
         row.push(peak_rss_bytes().to_string());
-        row.push(attention_pairs.to_string());
+        row.push(self.rss_start.to_string());
+        row.push(r.attention_pairs.to_string());
         writeln!(self.out, "{}", row.join(","))?;
         self.out.flush()
     }

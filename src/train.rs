@@ -14,7 +14,7 @@ use crate::fsdp::{FsdpGrads, FsdpParams};
 use crate::mesh::Mesh;
 use crate::metrics::{
     flops_per_token, fmt_duration, peak_rss_bytes, rss_bytes, CheckpointIo, CheckpointIoLog, MemoryStats, MetricsCsv, PhaseTimes,
-    StepRecord, TimingLog, PHASES,
+    StepRecord, StepTiming, TimingLog, PHASES,
 };
 use crate::model::params::Dims;
 use crate::model::{Model, Par, Tokens};
@@ -53,6 +53,28 @@ pub fn probe_gemm_flops() -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (n * n * n) as f64 / best
+}
+
+/// Memory bandwidth of this rank on its threads (bytes/s): best of a few STREAM-style triads
+/// `a = b + s·c` over three 64 MiB arrays (read b and c, write a: 3 × 64 MiB moved).
+pub fn probe_memory_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let n = 16 << 20;
+    let b = vec![1.0f32; n];
+    let c = vec![2.0f32; n];
+    let mut a = vec![0.0f32; n];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        a.par_chunks_mut(1 << 16).zip(b.par_chunks(1 << 16)).zip(c.par_chunks(1 << 16)).for_each(|((a, b), c)| {
+            for ((x, y), z) in a.iter_mut().zip(b).zip(c) {
+                *x = y + 3.0 * z;
+            }
+        });
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&a);
+    3.0 * 4.0 * n as f64 / best
 }
 
 /// Threads for this rank: the deck's, or the node's cores shared among the node's ranks.
@@ -144,7 +166,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
 
     // Logs.
     let mut metrics = if rank == 0 { Some(MetricsCsv::create(&out_dir.join("metrics.csv"), start_step)?) } else { None };
-    let mut timing = TimingLog::create(&out_dir.join("timing"), rank, start_step)?;
+    let mut timing = TimingLog::create(&out_dir.join("timing"), rank, start_step, rss_before_load)?;
     let peak = if deck.hardware.peak_flops_per_rank > 0.0 { deck.hardware.peak_flops_per_rank } else { probe_gemm_flops() };
     let peak_src = if deck.hardware.peak_flops_per_rank > 0.0 { "[hardware] peak_flops_per_rank" } else { "measured f32 GEMM probe" };
     let flops_tok = flops_per_token(mcfg, s);
@@ -155,7 +177,18 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         flops_tok / 1e9,
         peak / 1e9
     );
-    say!("{:>6} {:>12} {:>10} {:>9} {:>11} {:>6} {:>9} {:>8}", "step", "loss", "lr", "gnorm", "tok/s", "mfu", "elapsed", "eta");
+    say!(
+        "{:>6} {:>12} {:>10} {:>9} {:>11} {:>10} {:>6} {:>9} {:>8}",
+        "step",
+        "loss",
+        "lr",
+        "gnorm",
+        "tok/s",
+        "tok/s/rank",
+        "mfu",
+        "elapsed",
+        "eta"
+    );
 
     let tokens_per_step = (res.global_batch * s) as f64;
     let world = mesh.world.size() as f64;
@@ -165,6 +198,8 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let run_start = Instant::now();
     let mut step_times = Vec::new();
     let mut preempted = false;
+    // Time spent writing the previous step's logs (the timing log's `log_s`).
+    let mut last_log_s = 0.0;
     crate::preempt::install()?;
     if start_step >= steps {
         say!("the checkpoint is at step {start_step}, [run] steps = {steps}: nothing left to train");
@@ -174,11 +209,15 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         let step_start = Instant::now();
         let mut pt = PhaseTimes::default();
         grads.zero();
+        pt.0[2] += step_start.elapsed().as_secs_f64();
+        let t_wait = Instant::now();
         // Global number of target tokens, reduced before any backward (DESIGN.md: loss is the
         // global sum over the global token count, exact for any layout and accumulation).
         let mut n_tok = [(ga * mb * s_local) as f64];
         mesh.batch.all_reduce_sum_f64(&mut n_tok);
         mesh.cp.all_reduce_sum_f64(&mut n_tok);
+        // The first collective of the step: where a rank waits for the slowest of the last one.
+        pt.0[6] += t_wait.elapsed().as_secs_f64();
         let loss_scale = (1.0 / n_tok[0]) as f32;
         let mut loss_sum = 0.0f64;
         for micro in 0..ga {
@@ -224,21 +263,26 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         opt.step_slots(params.slots_mut(), &grads.slots(), lr);
         pt.0[4] += t_opt.elapsed().as_secs_f64();
 
-        let step_s = step_start.elapsed().as_secs_f64();
-        step_times.push(step_s);
+        // Training time of the step (what tokens/s and MFU use): no checkpoint, no logging.
+        let train_s = step_start.elapsed().as_secs_f64();
+        step_times.push(train_s);
         losses.push(loss);
 
         // A stop signal on any rank ends the run here, at a step boundary, with a checkpoint.
+        let t_stop = Instant::now();
         let mut stop = [crate::preempt::requested() as u64];
         mesh.world.agree_max_u64(&mut stop);
         preempted = stop[0] != 0;
+        pt.0[6] += t_stop.elapsed().as_secs_f64();
         let every = deck.checkpoint.every;
         if preempted || (every > 0 && ((step + 1) % every == 0 || step + 1 == steps)) {
             let t_ckpt = Instant::now();
             save_checkpoint(res, mesh, &ckpt_dir, step + 1, &opt, &params, &blocks, &mut ckpt_log, 3 * shard_bytes)?;
             pt.0[5] += t_ckpt.elapsed().as_secs_f64();
         }
+        let step_s = step_start.elapsed().as_secs_f64();
         totals.add(&pt);
+        let t_log = Instant::now();
         let comm: BTreeMap<String, CommCount> =
             mesh.groups().iter().flat_map(|g| g.take_counts().into_iter().map(move |(k, c)| (format!("{}.{k}", g.name()), c))).collect();
         let mem = MemoryStats {
@@ -249,9 +293,17 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             grad_scratch_bytes: grads.scratch_bytes(),
             activation_bytes: model.activation_bytes(),
         };
-        timing.append(step + 1, step_s, &pt, &comm, &mem, model.take_attention_pairs())?;
+        timing.append(&StepTiming {
+            step: step + 1,
+            step_s,
+            phases: &pt,
+            log_s: last_log_s,
+            comm: &comm,
+            mem: &mem,
+            attention_pairs: model.take_attention_pairs(),
+        })?;
         let elapsed = run_start.elapsed().as_secs_f64();
-        let tps = tokens_per_step / step_s;
+        let tps = tokens_per_step / train_s;
         let rec = StepRecord {
             step: step + 1,
             loss,
@@ -259,8 +311,9 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             grad_norm,
             tokens_per_s: tps,
             mfu: tps * flops_tok / (peak * world),
-            step_s,
+            step_s: train_s,
             elapsed_s: elapsed,
+            world: mesh.world.size(),
         };
         if let Some(m) = metrics.as_mut() {
             m.append(&rec)?;
@@ -268,17 +321,19 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         if (step + 1) % deck.log.every == 0 || step + 1 == steps || preempted {
             let eta = elapsed / (step + 1) as f64 * (steps - step - 1) as f64;
             say!(
-                "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>5.1}% {:>9} {:>8}",
+                "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>10.0} {:>5.1}% {:>9} {:>8}",
                 step + 1,
                 loss,
                 lr,
                 grad_norm,
                 tps,
+                tps / world,
                 100.0 * rec.mfu,
                 fmt_duration(elapsed),
                 fmt_duration(eta)
             );
         }
+        last_log_s = t_log.elapsed().as_secs_f64();
         if preempted {
             say!(
                 "stop signal (SIGTERM/SIGUSR1): checkpoint of step {} written; exiting with code {} so the job can be requeued",
@@ -289,14 +344,23 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         }
     }
 
-    // LAMMPS-style summary: each phase's min / avg / max across ranks and share of the total.
+    // LAMMPS-style summary: each phase's min / avg / max across ranks, its share of the total,
+    // and the load imbalance (max − avg) / avg; `other` is the rest of the wall time (start-up,
+    // logging).
     let total_s = run_start.elapsed().as_secs_f64();
-    say!("\nphase        min (s)    avg (s)    max (s)   %total");
-    for (i, name) in PHASES.iter().enumerate() {
-        let (lo, hi, sum) = mesh.world.min_max_sum_f64(totals.0[i]);
+    say!("\nphase        min (s)    avg (s)    max (s)   %total  %imbal");
+    let mut phases_sum = 0.0;
+    let row = |name: &str, x: f64| {
+        let (lo, hi, sum) = mesh.world.min_max_sum_f64(x);
         let avg = sum / world;
-        say!("{name:<10} {lo:>9.3} {avg:>10.3} {hi:>10.3} {:>8.1}", 100.0 * avg / total_s.max(1e-12));
+        let imbalance = if avg > 0.0 { 100.0 * (hi - avg) / avg } else { 0.0 };
+        say!("{name:<10} {lo:>9.3} {avg:>10.3} {hi:>10.3} {:>8.1} {imbalance:>7.1}", 100.0 * avg / total_s.max(1e-12));
+    };
+    for (i, name) in PHASES.iter().enumerate() {
+        row(name, totals.0[i]);
+        phases_sum += totals.0[i];
     }
+    row("other", (total_s - phases_sum).max(0.0));
     let mut sorted = step_times.clone();
     sorted.sort_by(|a, b| a.total_cmp(b));
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);

@@ -295,17 +295,39 @@ impl Default for LogCfg {
     }
 }
 
-/// `[hardware]`: peak rates used for MFU and planning.
+/// `[hardware]`: peak rates used for MFU, and the machine `ndtrain plan` models.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HardwareCfg {
     /// Peak FLOP/s of one rank (0 = measure with a short GEMM probe at start).
     pub peak_flops_per_rank: f64,
+    /// Memory one rank may use, in bytes (0 = unknown: the planner marks nothing as too big).
+    pub memory_per_rank: f64,
+    /// Ranks on one node (the planner keeps groups of up to this many consecutive ranks on a node).
+    pub ranks_per_node: usize,
+    /// Bandwidth of one rank to another rank of its node, bytes/s.
+    pub intra_node_bandwidth: f64,
+    /// One rank's share of its node's network bandwidth, bytes/s.
+    pub inter_node_bandwidth: f64,
+    /// Latency of one message inside a node, seconds.
+    pub intra_node_latency: f64,
+    /// Latency of one message between nodes, seconds.
+    pub inter_node_latency: f64,
 }
 
 impl Default for HardwareCfg {
+    /// Rates of a CPU cluster with shared memory inside a node and a 100 Gb/s network between
+    /// nodes; set them for the real machine.
     fn default() -> Self {
-        HardwareCfg { peak_flops_per_rank: 0.0 }
+        HardwareCfg {
+            peak_flops_per_rank: 0.0,
+            memory_per_rank: 0.0,
+            ranks_per_node: 1,
+            intra_node_bandwidth: 10e9,
+            inter_node_bandwidth: 12.5e9,
+            intra_node_latency: 1e-6,
+            inter_node_latency: 5e-6,
+        }
     }
 }
 

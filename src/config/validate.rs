@@ -144,7 +144,24 @@ impl Deck {
         self.check_optim()?;
         self.check_data()?;
         at_least_one("log", "every", self.log.every)?;
-        non_negative_finite("hardware", "peak_flops_per_rank", self.hardware.peak_flops_per_rank)
+        let h = &self.hardware;
+        non_negative_finite("hardware", "peak_flops_per_rank", h.peak_flops_per_rank)?;
+        non_negative_finite("hardware", "memory_per_rank", h.memory_per_rank)?;
+        need(h.ranks_per_node >= 1, || err(format!("[hardware] ranks_per_node({}) must be >= 1", h.ranks_per_node)))?;
+        for (key, v) in [
+            ("intra_node_bandwidth", h.intra_node_bandwidth),
+            ("inter_node_bandwidth", h.inter_node_bandwidth),
+            ("intra_node_latency", h.intra_node_latency),
+            ("inter_node_latency", h.inter_node_latency),
+        ] {
+            non_negative_finite("hardware", key, v)?;
+        }
+        need(h.intra_node_bandwidth > 0.0 && h.inter_node_bandwidth > 0.0, || {
+            err(format!(
+                "[hardware] intra_node_bandwidth({:e}) and inter_node_bandwidth({:e}) must be > 0 bytes/s",
+                h.intra_node_bandwidth, h.inter_node_bandwidth
+            ))
+        })
     }
 
     /// Checks every constraint for a job of `world_size` ranks and derives the layout, the

@@ -216,30 +216,21 @@ struct BlockActs<T> {
 }
 
 impl<T: Real> BlockActs<T> {
-    fn alloc(m: &Dims, n: usize, nl: usize, input_only: bool) -> Self {
+    /// Element counts of every field, in declaration order: what `alloc` allocates and what
+    /// the planner predicts (one function, so the two cannot drift apart).
+    fn lens(m: &Dims, n: usize, nl: usize, input_only: bool) -> [usize; 15] {
         let (d, f, hd) = (m.d, m.ffn, m.hd);
         let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
-        let z = |len: usize| vec![T::ZERO; len];
         if input_only {
-            return BlockActs { x: z(nl * d), ..Default::default() };
+            return [nl * d, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         }
-        BlockActs {
-            x: z(nl * d),
-            rstd1: z(nl),
-            xn1: z(nl * d),
-            q: z(n * qd),
-            k: z(n * kvd),
-            v: z(n * kvd),
-            att: z(n * qd),
-            lse: z(n * m.heads),
-            att_tok: z(n * qd),
-            x1: z(nl * d),
-            rstd2: z(nl),
-            xn2: z(nl * d),
-            gate: z(n * f),
-            up: z(n * f),
-            h: z(n * f),
-        }
+        [nl * d, nl, nl * d, n * qd, n * kvd, n * kvd, n * qd, n * m.heads, n * qd, nl * d, nl, nl * d, n * f, n * f, n * f]
+    }
+
+    fn alloc(m: &Dims, n: usize, nl: usize, input_only: bool) -> Self {
+        let [x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h] =
+            Self::lens(m, n, nl, input_only).map(|len| vec![T::ZERO; len]);
+        BlockActs { x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h }
     }
 
     fn bytes(&self) -> usize {
@@ -292,32 +283,87 @@ struct BlockGrads<T> {
 }
 
 impl<T: Real> BlockGrads<T> {
-    fn alloc(m: &Dims, n: usize, nl: usize, sp: bool, cp: bool) -> Self {
+    /// Element counts of every field, in declaration order (see [`BlockActs::lens`]).
+    fn lens(m: &Dims, n: usize, nl: usize, sp: bool, cp: bool) -> [usize; 19] {
         let (d, f, hd) = (m.d, m.ffn, m.hd);
         let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
-        let z = |len: usize| vec![T::ZERO; len];
         let full = if sp { n * d } else { 0 };
+        let ring = |len: usize| if cp { len } else { 0 };
+        [
+            nl * d,
+            nl * d,
+            full,
+            full,
+            ring(2 * n * kvd),
+            ring(2 * n * kvd),
+            ring(n * qd),
+            ring(n * m.heads),
+            n * f,
+            n * f,
+            n * f,
+            n * qd,
+            n * kvd,
+            n * qd,
+            n * qd,
+            n * kvd,
+            n * kvd,
+            n * qd,
+            n * kvd,
+        ]
+    }
+
+    fn alloc(m: &Dims, n: usize, nl: usize, sp: bool, cp: bool) -> Self {
+        let [dx1, dxn, full_a, full_b, ring_kv, ring_dkv, o_part, lse_part, dh, dgate, dup, d_tok, dkv_tok, datt, dq, dk, dv, q_tok, kv_tok] =
+            Self::lens(m, n, nl, sp, cp).map(|len| vec![T::ZERO; len]);
         BlockGrads {
-            dx1: z(nl * d),
-            dxn: z(nl * d),
-            full_a: z(full),
-            full_b: z(full),
-            ring_kv: z(if cp { 2 * n * kvd } else { 0 }),
-            ring_dkv: z(if cp { 2 * n * kvd } else { 0 }),
-            o_part: z(if cp { n * qd } else { 0 }),
-            lse_part: z(if cp { n * m.heads } else { 0 }),
-            dh: z(n * f),
-            dgate: z(n * f),
-            dup: z(n * f),
-            d_tok: z(n * qd),
-            dkv_tok: z(n * kvd),
-            datt: z(n * qd),
-            dq: z(n * qd),
-            dk: z(n * kvd),
-            dv: z(n * kvd),
-            q_tok: z(n * qd),
-            kv_tok: z(n * kvd),
+            dx1,
+            dxn,
+            full_a,
+            full_b,
+            ring_kv,
+            ring_dkv,
+            o_part,
+            lse_part,
+            dh,
+            dgate,
+            dup,
+            d_tok,
+            dkv_tok,
+            datt,
+            dq,
+            dk,
+            dv,
+            q_tok,
+            kv_tok,
         }
+    }
+}
+
+/// The buffers a [`Model`] allocates for micro-batches of `B × S` tokens, in bytes of `f32`, by
+/// what they hold. `activations()` is what [`Model::activation_bytes`] reports once the buffers
+/// exist; the planner predicts memory from this without allocating anything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ActivationMemory {
+    /// What forward keeps for backward: every block's activations (`none`) or inputs (`full`).
+    pub saved: usize,
+    /// With `full`: one block's activations, recomputed in backward.
+    pub recompute: usize,
+    /// The logits `[N, V_local]` (the logit gradients overwrite them).
+    pub logits: usize,
+    /// The final norm's input, output and statistics, the loss's log-sum-exp.
+    pub head: usize,
+    /// Gradient buffers of one block's backward (reused across blocks) and of the residual.
+    pub backward: usize,
+}
+
+impl ActivationMemory {
+    /// Held between forward and backward (the measured `activation_bytes`).
+    pub fn activations(&self) -> usize {
+        self.saved + self.recompute + self.logits + self.head
+    }
+
+    pub fn total(&self) -> usize {
+        self.activations() + self.backward
     }
 }
 
@@ -388,6 +434,24 @@ impl<T: Real> Model<T> {
             logits: vec![],
             lse_ce: vec![],
             dx: vec![],
+        }
+    }
+
+    /// What [`Model::ensure_buffers`] allocates for `B × S` tokens per rank, without allocating.
+    pub fn memory(m: &Dims, b: usize, s: usize, ckpt: ActCkpt, sequence_parallel: bool, cp: usize) -> ActivationMemory {
+        let n = b * s;
+        let nl = if sequence_parallel { n / m.tp } else { n };
+        let input_only = ckpt == ActCkpt::Full;
+        let acts = |input_only| BlockActs::<f32>::lens(m, n, nl, input_only).iter().sum::<usize>();
+        let grads: usize = BlockGrads::<f32>::lens(m, n, nl, sequence_parallel, cp > 1).iter().sum();
+        let head = nl * m.d + nl + nl * m.d + if sequence_parallel { n * m.d } else { 0 } + n;
+        ActivationMemory {
+            saved: 4 * m.layers * acts(input_only),
+            recompute: if input_only { 4 * acts(false) } else { 0 },
+            logits: 4 * n * m.vocab,
+            head: 4 * head,
+            // Block gradients, the residual's gradient, and the loss's two row scratches.
+            backward: 4 * (grads + nl * m.d + 2 * n),
         }
     }
 

@@ -134,28 +134,10 @@ pub fn run_layout(dir: &Path, name: &str, ranks: usize, layout: &[&str]) -> RunR
     (losses, params)
 }
 
-/// Checks every step's measured bytes per collective on rank 0 against the analytic formulas
-/// (`fsdp::predicted_comm_bytes`, `tp::predicted_tp_bytes`).
+/// Checks every step's measured bytes per collective on rank 0 against the planner's
+/// prediction (`plan::predicted_comm_bytes`, built on the `fsdp`, `tp` and `cp` formulas).
 pub fn assert_bytes_match_formula(dir: &Path, name: &str, deck: &ndtrain::config::Deck, world: usize) {
-    use ndtrain::config::ActCkpt;
-    use ndtrain::model::params::Dims;
-    let res = deck.resolve(world).unwrap();
-    let l = res.layout;
-    let dims = Dims::new(&deck.model, l.tp, 0);
-    let plan = ndtrain::fsdp::ShardPlan::new(&dims, l.dp_shard * l.cp, 0);
-    let mut want = ndtrain::fsdp::predicted_comm_bytes(&plan, l.dp_replicate, l.dp(), res.grad_accum, deck.parallel.reshard_after_forward);
-    let recompute = deck.train.activation_checkpointing == ActCkpt::Full;
-    let replicated: usize = plan.units.iter().flat_map(|u| u.tensors.iter()).filter(|t| t.tp_replicated).map(|t| t.shard_len()).sum();
-    let s_local = deck.train.seq_len / l.cp;
-    let tokens = deck.train.micro_batch * s_local;
-    want.extend(ndtrain::tp::predicted_tp_bytes(&dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated));
-    if l.cp > 1 {
-        want.insert(
-            "cp.ring".into(),
-            ndtrain::cp::predicted_ring_bytes(&dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute),
-        );
-        want.insert("cp.all_reduce".into(), 16);
-    }
+    let want = ndtrain::plan::predicted_comm_bytes(&deck.resolve(world).unwrap());
     let csv = std::fs::read_to_string(dir.join(name).join("timing/rank_00000.csv")).unwrap();
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();

@@ -1,0 +1,339 @@
+//! The planner (`ndtrain plan`): what a deck will need on a layout, before a job is queued.
+//!
+//! Memory per rank by category comes from the same shape functions the code allocates with
+//! (`fsdp::predicted_memory`, `Model::memory`), bytes per group from the same formulas the
+//! tests hold to the measured counters (`fsdp`, `tp`, `cp`), FLOPs from DESIGN.md's formula.
+//! Nothing of the model is allocated, so a 70B deck on 512 ranks plans in milliseconds.
+//! `rank_layouts` enumerates every valid `(dp_replicate, dp_shard, cp, tp)` of a world and
+//! orders them by a simple cost model over the `[hardware]` table (`docs/planning.md`).
+//! Knows nothing of MPI or training.
+
+use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, Resolved};
+use crate::fsdp::{predicted_comm_bytes as fsdp_bytes, predicted_memory, ShardPlan, StateMemory};
+use crate::model::params::Dims;
+use crate::model::{ActivationMemory, Model};
+use std::collections::BTreeMap;
+
+/// What one rank of a layout needs per optimiser step (rank 0 of every group: the largest
+/// shards and the vocabulary's first rows).
+#[derive(Clone, Debug)]
+pub struct RankPlan {
+    pub layout: Layout,
+    pub grad_accum: usize,
+    pub global_batch: usize,
+    pub tokens_per_step: usize,
+    pub lr: f64,
+    pub state: StateMemory,
+    /// Activation buffers with the deck's activation checkpointing.
+    pub activations: ActivationMemory,
+    /// The same without (`none`) and with (`full`) activation checkpointing.
+    pub activations_none: ActivationMemory,
+    pub activations_full: ActivationMemory,
+    /// Bytes per optimiser step by `group.kind`, as `comm` counts them.
+    pub comm: BTreeMap<String, u64>,
+    /// Model FLOPs of one optimiser step over all ranks, and the share of one rank.
+    pub flops_per_step: f64,
+    pub flops_per_rank: f64,
+}
+
+impl RankPlan {
+    /// Predicted peak bytes of one rank: model state, gathered parameters, gradient scratch,
+    /// activations and backward buffers all live at once during the last backward.
+    pub fn peak_bytes(&self) -> usize {
+        self.state.total() + self.activations.total()
+    }
+}
+
+/// The plan of one resolved deck.
+pub fn plan(res: &Resolved) -> RankPlan {
+    let deck = &res.deck;
+    let l = res.layout;
+    let dims = Dims::new(&deck.model, l.tp, 0);
+    let shards = ShardPlan::new(&dims, l.fsdp(), 0);
+    let p = &deck.parallel;
+    let state = predicted_memory(&shards, l.dp_replicate, p.reshard_after_forward, p.overlap);
+    let s_local = deck.train.seq_len / l.cp;
+    let acts = |ckpt| Model::<f32>::memory(&dims, deck.train.micro_batch, s_local, ckpt, p.sequence_parallel, l.cp);
+    let flops_per_step = crate::metrics::flops_per_token(&deck.model, deck.train.seq_len) * res.tokens_per_step as f64;
+    RankPlan {
+        layout: l,
+        grad_accum: res.grad_accum,
+        global_batch: res.global_batch,
+        tokens_per_step: res.tokens_per_step,
+        lr: res.lr,
+        state,
+        activations: acts(deck.train.activation_checkpointing),
+        activations_none: acts(ActCkpt::None),
+        activations_full: acts(ActCkpt::Full),
+        comm: predicted_comm_bytes(res),
+        flops_per_step,
+        flops_per_rank: flops_per_step / l.world_size() as f64,
+    }
+}
+
+/// Bytes per optimiser step of every collective of one rank (rank 0), keyed `group.kind`.
+pub fn predicted_comm_bytes(res: &Resolved) -> BTreeMap<String, u64> {
+    let deck = &res.deck;
+    let l = res.layout;
+    let dims = Dims::new(&deck.model, l.tp, 0);
+    let shards = ShardPlan::new(&dims, l.fsdp(), 0);
+    let mut out = fsdp_bytes(&shards, l.dp_replicate, l.dp(), res.grad_accum, deck.parallel.reshard_after_forward);
+    let recompute = deck.train.activation_checkpointing == ActCkpt::Full;
+    let replicated: usize = shards.units.iter().flat_map(|u| &u.tensors).filter(|t| t.tp_replicated).map(|t| t.shard_len()).sum();
+    let s_local = deck.train.seq_len / l.cp;
+    let tokens = deck.train.micro_batch * s_local;
+    out.extend(crate::tp::predicted_tp_bytes(&dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated));
+    if l.cp > 1 {
+        let ring = crate::cp::predicted_ring_bytes(&dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute);
+        out.insert("cp.ring".into(), ring);
+        // The token count and the loss, 8 bytes each.
+        out.insert("cp.all_reduce".into(), 16);
+    }
+    out
+}
+
+/// Every layout of `world` ranks the deck accepts (others keep `[parallel]`'s flags), with the
+/// number of factorisations it refused.
+pub fn valid_layouts(deck: &Deck, world: usize) -> (Vec<Resolved>, usize) {
+    let divisors = |n: usize| (1..=n).filter(move |d| n % d == 0);
+    let (mut ok, mut refused) = (vec![], 0);
+    for tp in divisors(world) {
+        for cp in divisors(world / tp) {
+            for rep in divisors(world / tp / cp) {
+                let shard = world / tp / cp / rep;
+                let mut d = deck.clone();
+                d.parallel.tp = tp as i64;
+                d.parallel.cp = cp as i64;
+                d.parallel.dp_replicate = rep as i64;
+                d.parallel.dp_shard = shard as i64;
+                match d.resolve(world) {
+                    Ok(r) => ok.push(r),
+                    Err(_) => refused += 1,
+                }
+            }
+        }
+    }
+    (ok, refused)
+}
+
+/// The cost model's estimate of one optimiser step on a layout.
+#[derive(Clone, Debug)]
+pub struct Cost {
+    pub compute_s: f64,
+    /// Seconds per group (all its collective kinds), without overlap.
+    pub comm_s: BTreeMap<String, f64>,
+    pub step_s: f64,
+    pub tokens_per_s: f64,
+    /// `None` when `[hardware] memory_per_rank` is not set.
+    pub fits: Option<bool>,
+    /// Tensor-parallel groups stay inside a node.
+    pub tp_in_node: bool,
+}
+
+/// How many consecutive ranks a group's members span: groups of inner axes are runs of
+/// consecutive ranks (DESIGN.md's rank order), outer ones span the world.
+fn span(group: &str, l: &Layout) -> usize {
+    match group {
+        "tp" => l.tp,
+        "cp" => l.cp * l.tp,
+        "fsdp" => l.dp_shard * l.cp * l.tp,
+        _ => l.world_size(),
+    }
+}
+
+fn group_size(group: &str, l: &Layout) -> usize {
+    match group {
+        "tp" => l.tp,
+        "cp" => l.cp,
+        "fsdp" => l.fsdp(),
+        "dp_rep" => l.dp_replicate,
+        "batch" => l.dp(),
+        _ => 1,
+    }
+}
+
+/// The estimate: compute at the peak rate, plus every collective as a ring without overlap —
+/// `(n−1)/n` of the counted bytes (twice for an all-reduce) over the link's bandwidth, plus
+/// `(n−1)` latencies per call (twice for an all-reduce), with calls estimated from the bytes of
+/// one `[tokens, D]` activation (tp), one unit (fsdp, dp_rep) or one key/value block (cp). The
+/// link is intra-node when the group's span fits in `ranks_per_node`.
+pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cost {
+    let l = &p.layout;
+    let per_node = hw.ranks_per_node.max(1);
+    let dims = Dims::new(&deck.model, l.tp, 0);
+    let tokens = (deck.train.micro_batch * deck.train.seq_len / l.cp).max(1) as f64;
+    let unit_bytes = 4.0 * ShardPlan::new(&dims, l.fsdp(), 0).max_shard_len() as f64 * l.fsdp() as f64;
+    let mut comm_s: BTreeMap<String, f64> = BTreeMap::new();
+    for (key, &bytes) in &p.comm {
+        let (group, kind) = key.split_once('.').unwrap_or((key, ""));
+        let n = group_size(group, l) as f64;
+        if n <= 1.0 || bytes == 0 {
+            continue;
+        }
+        let intra = span(group, l) <= per_node;
+        let (bw, lat) =
+            if intra { (hw.intra_node_bandwidth, hw.intra_node_latency) } else { (hw.inter_node_bandwidth, hw.inter_node_latency) };
+        let b = bytes as f64;
+        let per_call = match group {
+            "tp" => 4.0 * tokens * deck.model.d_model as f64,
+            "cp" => 8.0 * tokens * (deck.model.n_kv_heads / l.tp * deck.model.head_dim()) as f64,
+            "fsdp" | "dp_rep" => unit_bytes.max(1.0),
+            _ => b,
+        };
+        let calls = (b / per_call).ceil().max(1.0);
+        let factor = if kind == "all_reduce" { 2.0 } else { 1.0 };
+        let t = factor * ((n - 1.0) / n * b / bw + (n - 1.0) * lat * calls);
+        *comm_s.entry(group.to_string()).or_default() += t;
+    }
+    let compute_s = p.flops_per_rank / peak_flops.max(1.0);
+    let step_s = compute_s + comm_s.values().sum::<f64>();
+    Cost {
+        compute_s,
+        comm_s,
+        step_s,
+        tokens_per_s: p.tokens_per_step as f64 / step_s.max(1e-12),
+        fits: (hw.memory_per_rank > 0.0).then(|| (p.peak_bytes() as f64) <= hw.memory_per_rank),
+        tp_in_node: l.tp <= per_node,
+    }
+}
+
+/// Every valid layout with its plan and cost, best first: layouts that fit in memory and keep
+/// tensor parallelism inside a node, by predicted tokens/s; then the others.
+pub fn rank_layouts(deck: &Deck, world: usize, hw: &HardwareCfg, peak_flops: f64) -> (Vec<(RankPlan, Cost)>, usize) {
+    let (layouts, refused) = valid_layouts(deck, world);
+    let mut out: Vec<(RankPlan, Cost)> = layouts
+        .iter()
+        .map(|r| {
+            let p = plan(r);
+            let c = cost(&p, &r.deck, hw, peak_flops);
+            (p, c)
+        })
+        .collect();
+    let usable = |c: &Cost| c.fits != Some(false) && c.tp_in_node;
+    out.sort_by(|a, b| usable(&b.1).cmp(&usable(&a.1)).then(b.1.tokens_per_s.total_cmp(&a.1.tokens_per_s)));
+    (out, refused)
+}
+
+fn mib(b: usize) -> String {
+    format!("{:.1}", b as f64 / 1048576.0)
+}
+
+/// Bytes in the largest unit that keeps the number short (B, KiB, MiB, GiB, TiB).
+pub fn human_bytes(b: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = b;
+    let mut i = 0;
+    while x >= 1024.0 && i + 1 < units.len() {
+        x /= 1024.0;
+        i += 1;
+    }
+    format!("{x:.1} {}", units[i])
+}
+
+/// The report `ndtrain plan` prints for one layout.
+pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let l = &p.layout;
+    let ckpt = res.deck.train.activation_checkpointing;
+    let _ = writeln!(
+        s,
+        "effective batch: {} sequences × seq_len {} = {} tokens per step (grad_accum {}); peak LR {:e}",
+        p.global_batch, res.deck.train.seq_len, p.tokens_per_step, p.grad_accum, p.lr
+    );
+    let _ = writeln!(s, "FLOPs per step: {:.4e} in all, {:.4e} per rank", p.flops_per_step, p.flops_per_rank);
+    let _ =
+        writeln!(s, "\nmemory per rank (rank 0 of dp_replicate={} dp_shard={} cp={} tp={}), MiB:", l.dp_replicate, l.dp_shard, l.cp, l.tp);
+    let st = &p.state;
+    let a = &p.activations;
+    for (name, b) in [
+        ("parameters (shard)", st.params),
+        ("gradients (shard)", st.grads),
+        ("AdamW moments", st.optim),
+        ("gathered parameters (peak)", st.gathered_peak),
+        ("gradient scratch", st.grad_scratch),
+        ("activations held for backward", a.saved + a.recompute + a.head),
+        ("logits", a.logits),
+        ("backward buffers", a.backward),
+    ] {
+        let _ = writeln!(s, "  {name:<32} {:>12}", mib(b));
+    }
+    let _ = writeln!(s, "  {:<32} {:>12}", "peak (predicted)", mib(p.peak_bytes()));
+    let _ = writeln!(
+        s,
+        "  activations + logits + backward: {} MiB without activation checkpointing, {} MiB with (deck: {})",
+        mib(p.activations_none.total()),
+        mib(p.activations_full.total()),
+        if ckpt == ActCkpt::Full { "full" } else { "none" }
+    );
+    if hw.memory_per_rank > 0.0 {
+        let fits = p.peak_bytes() as f64 <= hw.memory_per_rank;
+        let _ = writeln!(
+            s,
+            "  {} [hardware] memory_per_rank = {}",
+            if fits { "fits in" } else { "DOES NOT FIT in" },
+            human_bytes(hw.memory_per_rank)
+        );
+    }
+    let _ = writeln!(s, "\ncommunication per rank per step:");
+    if p.comm.values().all(|&b| b == 0) {
+        let _ = writeln!(s, "  none (one rank)");
+    }
+    for (k, &b) in p.comm.iter().filter(|(_, &b)| b > 0) {
+        let _ = writeln!(s, "  {k:<22} {b:>16} bytes  ({})", human_bytes(b as f64));
+    }
+    s
+}
+
+/// The ranked table `ndtrain plan --all-layouts` prints.
+pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &HardwareCfg, peak_flops: f64) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{} valid layouts ({refused} factorisations refused by the deck); cost model: peak {:.3e} FLOP/s per rank, {} ranks per node, \
+         intra-node {:.3e} B/s + {:.1e} s, inter-node {:.3e} B/s + {:.1e} s per message, no overlap",
+        ranked.len(),
+        peak_flops,
+        hw.ranks_per_node,
+        hw.intra_node_bandwidth,
+        hw.intra_node_latency,
+        hw.inter_node_bandwidth,
+        hw.inter_node_latency
+    );
+    let _ = writeln!(
+        s,
+        "\n{:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>13}  note",
+        "rank", "dp_rep", "dp_sh", "cp", "tp", "accum", "mem/rank", "compute s", "fsdp s", "tp s", "cp s", "dp s", "tokens/s"
+    );
+    for (i, (p, c)) in ranked.iter().enumerate() {
+        let l = &p.layout;
+        let g = |k: &str| c.comm_s.get(k).copied().unwrap_or(0.0);
+        let mut note = vec![];
+        if c.fits == Some(false) {
+            note.push("does not fit");
+        }
+        if !c.tp_in_node {
+            note.push("tp spans nodes");
+        }
+        let _ = writeln!(
+            s,
+            "{:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>13.0}  {}",
+            i + 1,
+            l.dp_replicate,
+            l.dp_shard,
+            l.cp,
+            l.tp,
+            p.grad_accum,
+            human_bytes(p.peak_bytes() as f64),
+            c.compute_s,
+            g("fsdp"),
+            g("tp"),
+            g("cp"),
+            g("dp_rep") + g("batch"),
+            c.tokens_per_s,
+            note.join(", ")
+        );
+    }
+    s
+}
