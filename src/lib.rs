@@ -20,5 +20,6 @@ pub mod preempt;
 pub mod real;
 pub mod report;
 pub mod rng;
+pub mod sweep;
 pub mod tp;
 pub mod train;
