@@ -1,5 +1,5 @@
 //! `jobscripts/slurm/train.sbatch` against a real single-node Slurm (slurmctld, slurmd and munge
-//! from Debian, started by the shared `slurm-local.sh`): a job trains the tiny deck on 4 ranks
+//! from Debian, started by `jobscripts/local/slurm-local.sh`): a job trains the tiny deck on 4 ranks
 //! (FSDP=2×TP=2) with `srun --mpi=pmix`, checkpoints and logs every rank; a second job resumes
 //! from its checkpoint. The cluster is stopped whatever happens.
 
@@ -9,11 +9,11 @@ use common::*;
 use std::path::PathBuf;
 use std::process::Command;
 
-/// `$NDTRAIN_SLURM_LOCAL`, or the workplace's `../shared/tools/slurm-local.sh`.
+/// `$NDTRAIN_SLURM_LOCAL`, or the repository's `jobscripts/local/slurm-local.sh`.
 fn slurm_local() -> PathBuf {
     match std::env::var_os("NDTRAIN_SLURM_LOCAL") {
         Some(p) => PathBuf::from(p),
-        None => repo().join("../shared/tools/slurm-local.sh"),
+        None => repo().join("jobscripts/local/slurm-local.sh"),
     }
 }
 
