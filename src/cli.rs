@@ -276,7 +276,7 @@ cost model: {:.3} s compute + {:.3} s communication = {:.3} s per step, {:.0} to
 }
 
 fn plan_bytes(b: usize) -> String {
-    crate::plan::human_bytes(b as f64)
+    crate::metrics::fmt_bytes(b as f64)
 }
 
 fn run_probe(threads: usize) -> i32 {

@@ -16,9 +16,7 @@ use std::fmt;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
-use safetensors::tensor::TensorView;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 use serde_json::{json, Value};
 
 use crate::config::ModelCfg;
@@ -195,11 +193,6 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
     Ok(files)
 }
 
-/// Converts a tensor view's little-endian f32/f16/bf16/f64 bytes into `dst`.
-fn convert_into<T: Real>(name: &str, view: &TensorView<'_>, dst: &mut [T]) -> Result<(), HfError> {
-    convert_bytes(name, view.dtype(), view.data(), dst)
-}
-
 /// Converts little-endian f32/f16/bf16/f64 `bytes` of dtype `dtype` into `dst`.
 fn convert_bytes<T: Real>(name: &str, dtype: Dtype, bytes: &[u8], dst: &mut [T]) -> Result<(), HfError> {
     macro_rules! fill {
@@ -253,54 +246,11 @@ fn f16_to_f32(bits: u16) -> f32 {
 /// deck needs it. A tensor the model does not have is an error too (old checkpoints'
 /// `rotary_emb.inv_freq` buffers excepted), since it means the file is some other architecture.
 pub fn load_params<T: Real>(dir: &Path, cfg: &ModelCfg) -> Result<ModelParams<T>, HfError> {
-    check_config(dir, cfg)?;
-    let specs = param_specs(cfg);
+    let reader = SliceReader::open(dir, cfg)?;
     let mut params = ModelParams::<T>::zeros(cfg);
-    let mut found = vec![false; specs.len()];
-    let index: HashMap<&str, usize> = specs.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
-    let files = weight_files(dir)?;
-    let mut unexpected = Vec::new();
-    {
-        let mut dst = params.tensors_mut();
-        for path in &files {
-            let file = File::open(path).map_err(|e| HfError(format!("cannot open {}: {e}", path.display())))?;
-            // SAFETY: the file is opened read-only and only read while mapped; like every reader of
-            // safetensors we assume no other process truncates it during the load.
-            let mmap = unsafe { Mmap::map(&file) }.map_err(|e| HfError(format!("cannot map {}: {e}", path.display())))?;
-            let st =
-                SafeTensors::deserialize(&mmap).map_err(|e| HfError(format!("{}: not a valid safetensors file: {e}", path.display())))?;
-            for (name, view) in st.iter() {
-                let Some(&i) = index.get(name) else {
-                    let tied_head = cfg.tie_embeddings && name == "lm_head.weight";
-                    if !tied_head && !name.ends_with("rotary_emb.inv_freq") {
-                        unexpected.push(name.to_string());
-                    }
-                    continue;
-                };
-                let spec = &specs[i];
-                if view.shape() != spec.shape.as_slice() {
-                    return err(format!(
-                        "{}: tensor {name} has shape {:?}, but the deck's [model] needs {:?}",
-                        path.display(),
-                        view.shape(),
-                        spec.shape
-                    ));
-                }
-                if found[i] {
-                    return err(format!("{}: tensor {name} appears twice", dir.display()));
-                }
-                convert_into(name, &view, dst[i])?;
-                found[i] = true;
-            }
-        }
-    }
-    if let Some(i) = found.iter().position(|&f| !f) {
-        let hint = if specs[i].name == "lm_head.weight" { " (the deck has tie_embeddings = false)" } else { "" };
-        return err(format!("{}: tensor {} is missing{hint}", dir.display(), specs[i].name));
-    }
-    if !unexpected.is_empty() {
-        unexpected.sort();
-        return err(format!("{}: tensors that a Llama model of this [model] does not have: {}", dir.display(), unexpected.join(", ")));
+    for (spec, dst) in param_specs(cfg).iter().zip(params.tensors_mut()) {
+        let start = vec![0; spec.shape.len()];
+        reader.read_block(&spec.name, &start, &spec.shape, dst)?;
     }
     Ok(params)
 }
@@ -471,8 +421,8 @@ impl SliceReader {
     }
 
     /// Reads the block of tensor `name` starting at `start` with `count` elements per
-    /// dimension (row-major) into `out`, converted to f32.
-    pub fn read_block(&self, name: &str, start: &[usize], count: &[usize], out: &mut [f32]) -> Result<(), HfError> {
+    /// dimension (row-major) into `out`, converted to `T`.
+    pub fn read_block<T: Real>(&self, name: &str, start: &[usize], count: &[usize], out: &mut [T]) -> Result<(), HfError> {
         use std::os::unix::fs::FileExt;
         let t = self.tensors.get(name).ok_or_else(|| HfError(format!("tensor {name} is not in the model folder")))?;
         let es = dtype_size(t.dtype);
@@ -540,6 +490,7 @@ fn dtype_size(d: Dtype) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use safetensors::tensor::TensorView;
 
     fn small(tied: bool) -> ModelCfg {
         ModelCfg {

@@ -71,6 +71,22 @@ pub fn fmt_duration(secs: f64) -> String {
     }
 }
 
+/// Bytes for people, in binary units.
+pub fn fmt_bytes(bytes: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < units.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{} B", bytes.round())
+    } else {
+        format!("{value:.2} {}", units[unit])
+    }
+}
+
 /// One optimiser step's numbers, as rank 0 logs them.
 #[derive(Clone, Debug)]
 pub struct StepRecord {

@@ -10,6 +10,7 @@
 
 use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, Resolved};
 use crate::fsdp::{predicted_comm_bytes as fsdp_bytes, predicted_memory, ShardPlan, StateMemory};
+use crate::metrics::fmt_bytes;
 use crate::model::params::Dims;
 use crate::model::{ActivationMemory, Model};
 use std::collections::BTreeMap;
@@ -34,6 +35,8 @@ pub struct RankPlan {
     /// Model FLOPs of one optimiser step over all ranks, and the share of one rank.
     pub flops_per_step: f64,
     pub flops_per_rank: f64,
+    /// Bytes of the largest gathered unit (the size of one fsdp or dp_rep collective call).
+    pub unit_bytes: usize,
 }
 
 impl RankPlan {
@@ -65,26 +68,31 @@ pub fn plan(res: &Resolved) -> RankPlan {
         activations: acts(deck.train.activation_checkpointing),
         activations_none: acts(ActCkpt::None),
         activations_full: acts(ActCkpt::Full),
-        comm: predicted_comm_bytes(res),
+        comm: comm_bytes(res, &dims, &shards),
         flops_per_step,
         flops_per_rank: flops_per_step / l.world_size() as f64,
+        unit_bytes: 4 * shards.max_gathered_len(),
     }
 }
 
 /// Bytes per optimiser step of every collective of one rank (rank 0), keyed `group.kind`.
 pub fn predicted_comm_bytes(res: &Resolved) -> BTreeMap<String, u64> {
+    let dims = Dims::new(&res.deck.model, res.layout.tp, 0);
+    comm_bytes(res, &dims, &ShardPlan::new(&dims, res.layout.fsdp(), 0))
+}
+
+/// [`predicted_comm_bytes`] for rank 0's TP piece `dims` and fsdp `shards`.
+fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<String, u64> {
     let deck = &res.deck;
     let l = res.layout;
-    let dims = Dims::new(&deck.model, l.tp, 0);
-    let shards = ShardPlan::new(&dims, l.fsdp(), 0);
-    let mut out = fsdp_bytes(&shards, l.dp_replicate, l.dp(), res.grad_accum, deck.parallel.reshard_after_forward);
+    let mut out = fsdp_bytes(shards, l.dp_replicate, l.dp(), res.grad_accum, deck.parallel.reshard_after_forward);
     let recompute = deck.train.activation_checkpointing == ActCkpt::Full;
     let replicated: usize = shards.units.iter().flat_map(|u| &u.tensors).filter(|t| t.tp_replicated).map(|t| t.shard_len()).sum();
     let s_local = deck.train.seq_len / l.cp;
     let tokens = deck.train.micro_batch * s_local;
-    out.extend(crate::tp::predicted_tp_bytes(&dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated));
+    out.extend(crate::tp::predicted_tp_bytes(dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated));
     if l.cp > 1 {
-        let ring = crate::cp::predicted_ring_bytes(&dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute);
+        let ring = crate::cp::predicted_ring_bytes(dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute);
         out.insert("cp.ring".into(), ring);
         // The token count and the loss, 8 bytes each.
         out.insert("cp.all_reduce".into(), 16);
@@ -160,9 +168,7 @@ fn group_size(group: &str, l: &Layout) -> usize {
 pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cost {
     let l = &p.layout;
     let per_node = hw.ranks_per_node.max(1);
-    let dims = Dims::new(&deck.model, l.tp, 0);
     let tokens = (deck.train.micro_batch * deck.train.seq_len / l.cp).max(1) as f64;
-    let unit_bytes = 4.0 * ShardPlan::new(&dims, l.fsdp(), 0).max_shard_len() as f64 * l.fsdp() as f64;
     let mut comm_s: BTreeMap<String, f64> = BTreeMap::new();
     for (key, &bytes) in &p.comm {
         let (group, kind) = key.split_once('.').unwrap_or((key, ""));
@@ -177,7 +183,7 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
         let per_call = match group {
             "tp" => 4.0 * tokens * deck.model.d_model as f64,
             "cp" => 8.0 * tokens * (deck.model.n_kv_heads / l.tp * deck.model.head_dim()) as f64,
-            "fsdp" | "dp_rep" => unit_bytes.max(1.0),
+            "fsdp" | "dp_rep" => (p.unit_bytes as f64).max(1.0),
             _ => b,
         };
         let calls = (b / per_call).ceil().max(1.0);
@@ -216,18 +222,6 @@ pub fn rank_layouts(deck: &Deck, world: usize, hw: &HardwareCfg, peak_flops: f64
 
 fn mib(b: usize) -> String {
     format!("{:.1}", b as f64 / 1048576.0)
-}
-
-/// Bytes in the largest unit that keeps the number short (B, KiB, MiB, GiB, TiB).
-pub fn human_bytes(b: f64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = b;
-    let mut i = 0;
-    while x >= 1024.0 && i + 1 < units.len() {
-        x /= 1024.0;
-        i += 1;
-    }
-    format!("{x:.1} {}", units[i])
 }
 
 /// The report `ndtrain plan` prints for one layout.
@@ -272,7 +266,7 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
             s,
             "  {} [hardware] memory_per_rank = {}",
             if fits { "fits in" } else { "DOES NOT FIT in" },
-            human_bytes(hw.memory_per_rank)
+            fmt_bytes(hw.memory_per_rank)
         );
     }
     let _ = writeln!(s, "\ncommunication per rank per step:");
@@ -280,7 +274,7 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
         let _ = writeln!(s, "  none (one rank)");
     }
     for (k, &b) in p.comm.iter().filter(|(_, &b)| b > 0) {
-        let _ = writeln!(s, "  {k:<22} {b:>16} bytes  ({})", human_bytes(b as f64));
+        let _ = writeln!(s, "  {k:<22} {b:>16} bytes  ({})", fmt_bytes(b as f64));
     }
     s
 }
@@ -325,7 +319,7 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
             l.cp,
             l.tp,
             p.grad_accum,
-            human_bytes(p.peak_bytes() as f64),
+            fmt_bytes(p.peak_bytes() as f64),
             c.compute_s,
             g("fsdp"),
             g("tp"),

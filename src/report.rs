@@ -11,7 +11,7 @@
 //! the phase order comes from [`crate::metrics::PHASES`] and the run's shape from the
 //! `# Resolved by ...` comment that opens `deck.toml`.
 
-use crate::metrics::{median, PHASES};
+use crate::metrics::{fmt_bytes, median, PHASES};
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -316,16 +316,8 @@ struct RunSummary {
     final_loss: f64,
     /// Median of `metrics.csv`'s `mfu` over the steady steps (NaN when the column is absent).
     mfu: f64,
-    /// Steps of the timing logs the phase and byte statistics average over.
-    timed_steps: usize,
-    phases: Vec<PhaseStat>,
-    /// `[rank][phase]`: mean seconds per step, phases in `phases` order.
-    rank_phase_s: Vec<Vec<f64>>,
-    /// Mean of the timing logs' `step_s` per rank (wall time of the whole step), if logged.
-    rank_step_s: Option<Vec<f64>>,
-    /// `(group.kind, bytes per step per rank)`, mean over ranks and steps; non-zero only.
-    comm_bytes: Vec<(String, f64)>,
-    peak_rss_bytes: Option<u64>,
+    /// What the per-rank timing logs say.
+    timing: TimingStats,
     /// `(step, loss)` of every logged step.
     loss_curve: Vec<(f64, f64)>,
 }
@@ -356,12 +348,7 @@ impl RunSummary {
             tokens_per_s: tokens_per_step as f64 / median_step_s,
             final_loss: *losses.last().expect("metrics has rows"),
             mfu,
-            timed_steps: timing.steps,
-            phases: timing.phases,
-            rank_phase_s: timing.rank_phase_s,
-            rank_step_s: timing.rank_step_s,
-            comm_bytes: timing.comm_bytes,
-            peak_rss_bytes: timing.peak_rss_bytes,
+            timing,
             loss_curve: steps.iter().zip(&losses).map(|(&s, &l)| (s as f64, l)).collect(),
         })
     }
@@ -371,20 +358,24 @@ impl RunSummary {
     }
 
     fn comm_bytes_of(&self, collective: &str) -> f64 {
-        self.comm_bytes.iter().find(|(c, _)| c == collective).map_or(0.0, |(_, b)| *b)
+        self.timing.comm_bytes.iter().find(|(c, _)| c == collective).map_or(0.0, |(_, b)| *b)
     }
 
     fn phase(&self, phase: &str) -> Option<&PhaseStat> {
-        self.phases.iter().find(|p| p.phase == phase)
+        self.timing.phases.iter().find(|p| p.phase == phase)
     }
 }
 
 /// The statistics of a run's per-rank timing logs, over the steady steps every rank logged.
 struct TimingStats {
+    /// Steps of the timing logs the phase and byte statistics average over.
     steps: usize,
     phases: Vec<PhaseStat>,
+    /// `[rank][phase]`: mean seconds per step, phases in `phases` order.
     rank_phase_s: Vec<Vec<f64>>,
+    /// Mean of the timing logs' `step_s` per rank (wall time of the whole step), if logged.
     rank_step_s: Option<Vec<f64>>,
+    /// `(group.kind, bytes per step per rank)`, mean over ranks and steps; non-zero only.
     comm_bytes: Vec<(String, f64)>,
     peak_rss_bytes: Option<u64>,
 }
@@ -457,7 +448,7 @@ fn phase_across_ranks(phase: &'static str, series: &[Vec<f64>]) -> PhaseStat {
 /// Every collective (`group.kind`) any run used, in the order they first appear.
 fn collectives_of(runs: &[RunSummary]) -> Vec<String> {
     let mut all: Vec<String> = Vec::new();
-    for (c, _) in runs.iter().flat_map(|r| &r.comm_bytes) {
+    for (c, _) in runs.iter().flat_map(|r| &r.timing.comm_bytes) {
         if !all.contains(c) {
             all.push(c.clone());
         }
@@ -592,22 +583,6 @@ fn fmt_bytes_tick(bytes: f64) -> String {
     format!("{} {}", fmt_tick(value), units[unit])
 }
 
-/// Bytes for people, in binary units.
-fn fmt_bytes(bytes: f64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < units.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{} B", bytes.round())
-    } else {
-        format!("{value:.2} {}", units[unit])
-    }
-}
-
 fn md_row(cells: &[String]) -> String {
     format!("| {} |\n", cells.join(" | "))
 }
@@ -664,7 +639,7 @@ fn runs_markdown(runs: &[RunSummary]) -> String {
             fmt_num(r.tokens_per_s_per_rank()),
             fmt_num(r.final_loss),
             fmt_num(r.mfu),
-            r.peak_rss_bytes.map_or("n/a".into(), |b| fmt_bytes(b as f64)),
+            r.timing.peak_rss_bytes.map_or("n/a".into(), |b| fmt_bytes(b as f64)),
         ]);
     }
     md + "\n"
@@ -676,7 +651,7 @@ fn phases_markdown(runs: &[RunSummary]) -> String {
     md += "imbalance = (max − avg) / avg.\n\n";
     md += &md_header(&["run", "phase", "min (s)", "avg (s)", "max (s)", "imbalance", "steps averaged"]);
     for r in runs {
-        for p in &r.phases {
+        for p in &r.timing.phases {
             md += &md_row(&[
                 r.name.clone(),
                 p.phase.to_string(),
@@ -684,7 +659,7 @@ fn phases_markdown(runs: &[RunSummary]) -> String {
                 fmt_num(p.avg),
                 fmt_num(p.max),
                 format!("{:.1}%", 100.0 * p.imbalance()),
-                r.timed_steps.to_string(),
+                r.timing.steps.to_string(),
             ]);
         }
     }
@@ -695,12 +670,12 @@ fn comm_markdown(runs: &[RunSummary]) -> String {
     let mut md = String::from("## Communication\n\n");
     md += "Bytes per step one rank moves through each collective (`group.kind`), mean over ranks and steady steps; ";
     md += "collectives that moved nothing are left out.\n\n";
-    if runs.iter().all(|r| r.comm_bytes.is_empty()) {
+    if runs.iter().all(|r| r.timing.comm_bytes.is_empty()) {
         return md + "No collective moved any bytes (single-rank runs).\n\n";
     }
     md += &md_header(&["run", "collective", "bytes/step/rank", "(binary units)"]);
     for r in runs {
-        for (c, b) in &r.comm_bytes {
+        for (c, b) in &r.timing.comm_bytes {
             md += &md_row(&[r.name.clone(), c.clone(), format!("{}", b.round()), fmt_bytes(*b)]);
         }
     }
@@ -793,7 +768,7 @@ fn summary_csv(runs: &[RunSummary]) -> String {
             }
         }
         row.extend(collectives.iter().map(|c| csv_num(r.comm_bytes_of(c))));
-        row.push(r.peak_rss_bytes.map_or(String::new(), |b| b.to_string()));
+        row.push(r.timing.peak_rss_bytes.map_or(String::new(), |b| b.to_string()));
         csv += &(row.join(",") + "\n");
     }
     csv
@@ -1085,8 +1060,8 @@ impl Figure for PhaseFigure<'_> {
     {
         let run = self.run;
         let (plot, legend) = chart_and_legend(root)?;
-        let stacked_max = run.rank_phase_s.iter().map(|p| p.iter().sum::<f64>()).fold(0.0, f64::max);
-        let step_max = run.rank_step_s.iter().flatten().copied().fold(0.0, f64::max);
+        let stacked_max = run.timing.rank_phase_s.iter().map(|p| p.iter().sum::<f64>()).fold(0.0, f64::max);
+        let step_max = run.timing.rank_step_s.iter().flatten().copied().fold(0.0, f64::max);
         let y_hi = stacked_max.max(step_max).max(1e-9) * 1.1;
         let caption = format!("Time per step by phase and rank: {} ({})", run.name, run.layout.short());
         let mut chart = ChartBuilder::on(&plot)
@@ -1099,13 +1074,13 @@ impl Figure for PhaseFigure<'_> {
             .configure_mesh()
             .disable_x_mesh()
             .x_desc("rank")
-            .y_desc(format!("seconds per step (mean of {} steps)", run.timed_steps))
+            .y_desc(format!("seconds per step (mean of {} steps)", run.timing.steps))
             .axis_desc_style(axis_font())
             .label_style(tick_font())
             .x_label_formatter(&|x| format!("{x:.0}"))
             .y_label_formatter(&|y| fmt_tick(*y))
             .draw()?;
-        for (rank, phases) in run.rank_phase_s.iter().enumerate() {
+        for (rank, phases) in run.timing.rank_phase_s.iter().enumerate() {
             let (left, right) = (rank as f64 - 0.35, rank as f64 + 0.35);
             let mut bottom = 0.0;
             for (i, &seconds) in phases.iter().enumerate() {
@@ -1115,15 +1090,15 @@ impl Figure for PhaseFigure<'_> {
             }
         }
         // The measured wall time of the step: the gap to the stack is time no phase counts.
-        if let Some(step_s) = &run.rank_step_s {
+        if let Some(step_s) = &run.timing.rank_step_s {
             let ticks = step_s
                 .iter()
                 .enumerate()
                 .map(|(rank, &s)| PathElement::new(vec![(rank as f64 - 0.45, s), (rank as f64 + 0.45, s)], BLACK.stroke_width(3)));
             chart.draw_series(ticks)?;
         }
-        let mut entries: Vec<(String, RGBColor)> = run.phases.iter().enumerate().map(|(i, p)| (phase_label(p), color(i))).collect();
-        if run.rank_step_s.is_some() {
+        let mut entries: Vec<(String, RGBColor)> = run.timing.phases.iter().enumerate().map(|(i, p)| (phase_label(p), color(i))).collect();
+        if run.timing.rank_step_s.is_some() {
             entries.push(("whole step (black line)".into(), BLACK));
         }
         draw_legend(&legend, "phase (imbalance)", &entries)
@@ -1156,7 +1131,7 @@ impl Figure for CommFigure<'_> {
             .runs
             .iter()
             .enumerate()
-            .map(|(i, r)| (if r.comm_bytes.is_empty() { format!("{} (no traffic)", r.name) } else { r.name.clone() }, color(i)))
+            .map(|(i, r)| (if r.timing.comm_bytes.is_empty() { format!("{} (no traffic)", r.name) } else { r.name.clone() }, color(i)))
             .collect();
         draw_legend(&legend, "run", &entries)?;
         let caption = "Bytes per step and rank by collective (group.kind)";
@@ -1167,7 +1142,7 @@ impl Figure for CommFigure<'_> {
             plot.draw(&Text::new(note, (w as i32 / 2 - 220, h as i32 / 2), axis_font()))?;
             return Ok(());
         }
-        let max = self.runs.iter().flat_map(|r| r.comm_bytes.iter().map(|(_, b)| *b)).fold(1.0, f64::max);
+        let max = self.runs.iter().flat_map(|r| r.timing.comm_bytes.iter().map(|(_, b)| *b)).fold(1.0, f64::max);
         // Log scale: a 16-byte loss all-reduce and megabytes of gathered weights both show.
         let mut chart = ChartBuilder::on(&plot)
             .caption(caption, title_font())

@@ -499,20 +499,14 @@ fn save_checkpoint(
 ) -> Result<(), Error> {
     let deck = &res.deck;
     let l = res.layout;
-    let samples = step * res.global_batch as u64;
+    let data = DataState::after(step, res.global_batch, deck);
     let meta = Meta {
         step,
-        tokens_seen: samples * deck.train.seq_len as u64,
+        tokens_seen: data.samples_seen * deck.train.seq_len as u64,
         optim_step: opt.t,
         seed: deck.run.seed,
         run_steps: deck.run.steps,
-        data: DataState {
-            next_step: step,
-            samples_seen: samples,
-            global_batch: res.global_batch,
-            seq_len: deck.train.seq_len,
-            order: format!("{:?}", deck.data.order).to_lowercase(),
-        },
+        data,
         deck: deck.to_toml(),
         layout: WriterLayout { dp_replicate: l.dp_replicate, dp_shard: l.dp_shard, cp: l.cp, tp: l.tp, world: mesh.world.size() },
         model: deck.model.clone(),

@@ -50,6 +50,20 @@ pub struct DataState {
     pub order: String,
 }
 
+impl DataState {
+    /// The loader's position after `step` optimiser steps of `global_batch` sequences of `deck`.
+    pub fn after(step: u64, global_batch: usize, deck: &Deck) -> DataState {
+        DataState {
+            next_step: step,
+            samples_seen: step * global_batch as u64,
+            global_batch,
+            seq_len: deck.train.seq_len,
+            // The deck's own spelling (`Order` serialises lowercase).
+            order: serde_json::to_value(deck.data.order).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+        }
+    }
+}
+
 /// The layout that wrote a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WriterLayout {
@@ -330,6 +344,7 @@ pub fn check_compatible(meta: &Meta, deck: &Deck, global_batch: usize, path: &Pa
         return bad(format!("the deck has [run] seed = {}, the checkpoint was written with seed = {}", deck.run.seed, meta.seed));
     }
     let d = &meta.data;
+    let mine = DataState::after(meta.step, global_batch, deck);
     if d.global_batch != global_batch {
         return bad(format!(
             "the deck has [train] global_batch = {global_batch}, the checkpoint was written with global_batch = {} (the data position would not carry over)",
@@ -342,9 +357,8 @@ pub fn check_compatible(meta: &Meta, deck: &Deck, global_batch: usize, path: &Pa
             deck.train.seq_len, d.seq_len
         ));
     }
-    let order = format!("{:?}", deck.data.order).to_lowercase();
-    if d.order != order {
-        return bad(format!("the deck has [data] order = \"{order}\", the checkpoint was written with order = \"{}\"", d.order));
+    if d.order != mine.order {
+        return bad(format!("the deck has [data] order = \"{}\", the checkpoint was written with order = \"{}\"", mine.order, d.order));
     }
     Ok(())
 }
