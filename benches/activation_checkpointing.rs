@@ -1,13 +1,13 @@
-//! What full activation checkpointing costs and saves on one rank: activation bytes held
-//! between forward and backward, the peak-RSS growth of a forward + backward, the forward +
-//! backward time of one micro-step, and a bit-for-bit check that `none` and `full` give the
-//! same loss and the same gradients.
+//! What activation checkpointing (`selective` and `full`) costs and saves on one rank:
+//! activation bytes held between forward and backward, the peak-RSS growth of a forward +
+//! backward, the forward + backward time of one micro-step, and a bit-for-bit check that every
+//! mode gives the same loss and the same gradients as `none`.
 //!
 //! Memory: each mode runs one forward + backward in a fresh child process of this bench
 //! (re-executed with `--child-memory MODE`), so the two high-water marks (`VmHWM`) never mix.
-//! Time and equality: the parent holds both models on the same parameters and the same batch
-//! and alternates them (none full none full …), so a load change on this shared machine hits
-//! both alike. Knows nothing of the optimiser or of parallelism.
+//! Time and equality: the parent holds the three models on the same parameters and the same
+//! batch and alternates them (none selective full none …), so a load change on this shared
+//! machine hits all alike. Knows nothing of the optimiser or of parallelism.
 //!
 //! `cargo bench --bench activation_checkpointing -- [DECK] [--micro-batch 4] [--seq 512]
 //! [--threads 1] [--reps 7] [--warmup 1]`
@@ -35,7 +35,7 @@ const USAGE: &str = "usage: cargo bench --bench activation_checkpointing -- [DEC
 const RULE_MEMORY_SAVED: (f64, f64) = (60.0, 80.0);
 const RULE_TIME_COST: (f64, f64) = (20.0, 30.0);
 
-const MODES: [ActCkpt; 2] = [ActCkpt::None, ActCkpt::Full];
+const MODES: [ActCkpt; 3] = [ActCkpt::None, ActCkpt::Selective, ActCkpt::Full];
 
 struct Args {
     deck: PathBuf,
@@ -49,10 +49,7 @@ struct Args {
 }
 
 fn mode_name(m: ActCkpt) -> &'static str {
-    match m {
-        ActCkpt::None => "none",
-        ActCkpt::Full => "full",
-    }
+    m.name()
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -80,11 +77,13 @@ fn parse_args() -> Result<Args, String> {
             "--reps" => a.reps = num("--reps", it.next())?,
             "--warmup" => a.warmup = num("--warmup", it.next())?,
             "--child-memory" => {
-                a.child_memory = Some(match it.next().as_deref() {
-                    Some("none") => ActCkpt::None,
-                    Some("full") => ActCkpt::Full,
-                    other => return Err(format!("--child-memory {other:?}: expected none or full")),
-                })
+                let v = it.next();
+                a.child_memory = Some(
+                    MODES
+                        .into_iter()
+                        .find(|m| Some(m.name()) == v.as_deref())
+                        .ok_or_else(|| format!("--child-memory {v:?}: expected none, selective or full"))?,
+                )
             }
             "-h" | "--help" => return Err(USAGE.into()),
             s if s.starts_with('-') => return Err(format!("unknown option {s}\n{USAGE}")),
@@ -304,12 +303,15 @@ fn parent(args: &Args) -> Result<(), Error> {
             }
         }
         // Bit-for-bit: the same loss and every gradient element, in every repetition.
-        let (none, full) = (&runs[0], &runs[1]);
-        if none.loss.to_bits() != full.loss.to_bits() {
-            mismatches.push(format!("rep {}: loss none {:e} != full {:e}", rep + 1, none.loss, full.loss));
-        }
-        if let Some((t, j, x, y)) = first_difference(&none.grads, &full.grads) {
-            mismatches.push(format!("rep {}: gradient tensor {t} element {j}: none {x:e} != full {y:e}", rep + 1));
+        let none = &runs[0];
+        for other in &runs[1..] {
+            let name = mode_name(other.mode);
+            if none.loss.to_bits() != other.loss.to_bits() {
+                mismatches.push(format!("rep {}: loss none {:e} != {name} {:e}", rep + 1, none.loss, other.loss));
+            }
+            if let Some((t, j, x, y)) = first_difference(&none.grads, &other.grads) {
+                mismatches.push(format!("rep {}: gradient tensor {t} element {j}: none {x:e} != {name} {y:e}", rep + 1));
+            }
         }
     }
     let n_grad: usize = runs[0].grads.tensors().iter().map(|t| t.len()).sum();
@@ -317,7 +319,7 @@ fn parent(args: &Args) -> Result<(), Error> {
 
     println!("| mode | activation bytes held (MiB) | peak RSS growth, forward (MiB) | peak RSS growth, forward+backward (MiB) | median forward (s) | median backward (s) | median forward+backward (s) | min forward+backward (s) |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    let mut fb_med = [0.0; 2];
+    let mut fb_med = [0.0; MODES.len()];
     for (i, r) in runs.iter().enumerate() {
         let fb: Vec<f64> = r.forward.iter().zip(&r.backward).map(|(f, b)| f + b).collect();
         fb_med[i] = median(&fb);
@@ -335,40 +337,43 @@ fn parent(args: &Args) -> Result<(), Error> {
         );
     }
     let saved = |a: u64, b: u64| 100.0 * (1.0 - b as f64 / a as f64);
-    let (n, f) = (&mem[0], &mem[1]);
-    println!();
-    println!(
-        "memory saved by full: {:.1} % of activation bytes held, {:.1} % of peak RSS growth over forward+backward \
-         (rule of thumb {}–{} %)",
-        saved(n.activation_bytes, f.activation_bytes),
-        saved(n.hwm_after_backward - n.rss_before, f.hwm_after_backward - f.rss_before),
-        RULE_MEMORY_SAVED.0,
-        RULE_MEMORY_SAVED.1
-    );
-    // Time cost: the ratio within each repetition (the two modes ran back to back, so they saw
-    // the same load), then its median; the ratio of the medians and of the minima beside it.
+    // Time cost: the ratio within each repetition (the modes ran back to back, so they saw the
+    // same load), then its median; the ratio of the medians and of the minima beside it.
     let fb = |r: &Run| r.forward.iter().zip(&r.backward).map(|(f, b)| f + b).collect::<Vec<f64>>();
-    let (fb_none, fb_full) = (fb(&runs[0]), fb(&runs[1]));
-    let ratios: Vec<f64> = fb_full.iter().zip(&fb_none).map(|(f, n)| f / n).collect();
     let pct = |x: f64| 100.0 * (x - 1.0);
-    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let min_of = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    let fb_none = fb(&runs[0]);
+    println!();
+    for (i, r) in runs.iter().enumerate().skip(1) {
+        let name = mode_name(r.mode);
+        let (n, m) = (&mem[0], &mem[i]);
+        println!(
+            "memory saved by {name}: {:.1} % of activation bytes held, {:.1} % of peak RSS growth over forward+backward",
+            saved(n.activation_bytes, m.activation_bytes),
+            saved(n.hwm_after_backward - n.rss_before, m.hwm_after_backward - m.rss_before),
+        );
+        let fb_mode = fb(r);
+        let ratios: Vec<f64> = fb_mode.iter().zip(&fb_none).map(|(f, n)| f / n).collect();
+        let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        println!(
+            "time cost of {name}: {:+.1} % forward+backward per micro-step (median of the {} per-repetition ratios, range {:+.1} .. {:+.1} %; \
+             ratio of medians {:+.1} %, of minima {:+.1} %)",
+            pct(median(&ratios)),
+            ratios.len(),
+            pct(lo),
+            pct(hi),
+            pct(fb_med[i] / fb_med[0]),
+            pct(min_of(&fb_mode) / min_of(&fb_none)),
+        );
+    }
     println!(
-        "time cost of full: {:+.1} % forward+backward per micro-step (median of the {} per-repetition ratios, range {:+.1} .. {:+.1} %; \
-         ratio of medians {:+.1} %, of minima {:+.1} %; rule of thumb +{}–{} %)",
-        pct(median(&ratios)),
-        ratios.len(),
-        pct(lo),
-        pct(hi),
-        pct(fb_med[1] / fb_med[0]),
-        pct(min_of(&fb_full) / min_of(&fb_none)),
-        RULE_TIME_COST.0,
-        RULE_TIME_COST.1
+        "rule of thumb for full: {}–{} % less activation memory for +{}–{} % step time",
+        RULE_MEMORY_SAVED.0, RULE_MEMORY_SAVED.1, RULE_TIME_COST.0, RULE_TIME_COST.1
     );
     if mismatches.is_empty() {
         println!(
-            "bit-identical: yes; loss {:.9e} and all {n_grad} gradient elements equal bit for bit in each of {} repetitions",
+            "bit-identical: yes; loss {:.9e} and all {n_grad} gradient elements of every mode equal none's bit for bit in each of {} repetitions",
             runs[0].loss / (b * s) as f64,
             args.warmup + args.reps
         );
@@ -377,7 +382,7 @@ fn parent(args: &Args) -> Result<(), Error> {
         for m in &mismatches {
             println!("MISMATCH {m}");
         }
-        Err(format!("none and full differ in {} repetition(s)", mismatches.len()).into())
+        Err(format!("the modes differ from none in {} case(s)", mismatches.len()).into())
     }
 }
 

@@ -34,17 +34,19 @@ pub fn local_tokens(tokens: &[u32], seq_len: usize, cp: usize, rank: usize) -> (
 }
 
 /// Bytes the ring moves per optimiser step on one rank (the bytes each rank sends): per block
-/// and micro-step, the key/value block `cp − 1` times in forward (again when activation
-/// checkpointing recomputes it), and in backward the key/value block `cp − 1` times and its
+/// and micro-step, the key/value block `cp − 1` times in forward (again when `full` activation
+/// checkpointing recomputes it: every block but the last), and in backward the key/value block `cp − 1` times and its
 /// gradient `cp` times (the last step returns it to its owner).
 pub fn predicted_ring_bytes(m: &Dims, micro_batch: usize, seq_local: usize, cp: usize, grad_accum: usize, recompute: bool) -> u64 {
     if cp == 1 {
         return 0;
     }
     let kv = (2 * micro_batch * m.kv_heads * seq_local * m.hd * 4) as u64;
-    let (c, r) = (cp as u64, recompute as u64);
-    let per_block = kv * ((c - 1) * (1 + r) + (c - 1) + c);
-    grad_accum as u64 * m.layers as u64 * per_block
+    let (c, l) = (cp as u64, m.layers as u64);
+    // Forward: c − 1 shifts of K/V per block; backward: c − 1 of K/V and c of dK/dV; `full`
+    // recomputes every block but the last (its forward again).
+    let recomputed = if recompute { l.saturating_sub(1) } else { 0 };
+    grad_accum as u64 * kv * (l * (2 * (c - 1) + c) + recomputed * (c - 1))
 }
 
 #[cfg(test)]

@@ -214,10 +214,11 @@ impl<'g> FsdpParams<'g> {
             globals: None,
             blocks: (0..m.layers).map(|_| None).collect(),
             spare: vec![],
-            // Sized once for the largest unit, so no collective ever reallocates them.
-            gather_buf: Vec::with_capacity(plan.max_gathered_len()),
+            // Sized once for the largest unit, so no collective ever reallocates them; none
+            // with fsdp degree 1, where a unit's shard is the whole unit.
+            gather_buf: Vec::with_capacity(if plan.degree > 1 { plan.max_gathered_len() } else { 0 }),
             prefetch: None,
-            send_buf: Vec::with_capacity(plan.max_shard_len()),
+            send_buf: Vec::with_capacity(if plan.degree > 1 { plan.max_shard_len() } else { 0 }),
             gathered_bytes: 0,
             gathered_peak_bytes: 0,
             plan,
@@ -253,9 +254,20 @@ impl<'g> FsdpParams<'g> {
         self.fsdp.all_gather_f32(&self.shards[unit], &mut self.gather_buf);
     }
 
+    /// Unit `unit` whole in packed order, once [`Self::gather_unit`] or a prefetch has filled
+    /// `gather_buf`; with fsdp degree 1 the shard itself (nothing to gather, nothing copied).
+    fn gathered(&self, unit: usize) -> &[f32] {
+        if self.plan.degree == 1 {
+            &self.shards[unit]
+        } else {
+            &self.gather_buf
+        }
+    }
+
     /// Starts gathering block `l` in the background, unless it is there or on its way.
     fn start_prefetch(&mut self, l: usize) {
-        if !self.overlap || l >= self.blocks.len() || self.blocks[l].is_some() || self.prefetch.is_some() {
+        let alone = self.plan.degree == 1;
+        if alone || !self.overlap || l >= self.blocks.len() || self.blocks[l].is_some() || self.prefetch.is_some() {
             return;
         }
         let unit = l + 1;
@@ -294,7 +306,8 @@ impl<'g> FsdpParams<'g> {
     /// prefetched block while another is in use (the send buffer only with overlap).
     fn track(&mut self, delta: isize) {
         self.gathered_bytes = (self.gathered_bytes as isize + delta) as usize;
-        let buffers = 4 * (self.plan.max_gathered_len() + if self.overlap { self.plan.max_shard_len() } else { 0 });
+        let plan = &self.plan;
+        let buffers = if plan.degree > 1 { 4 * (plan.max_gathered_len() + if self.overlap { plan.max_shard_len() } else { 0 }) } else { 0 };
         self.gathered_peak_bytes = self.gathered_peak_bytes.max(self.gathered_bytes + buffers);
     }
 
@@ -303,8 +316,10 @@ impl<'g> FsdpParams<'g> {
         self.pass = Pass::Forward;
         if self.globals.is_none() {
             let mut g = ModelParams::<f32>::zeros_local(&Dims { layers: 0, ..self.m.clone() });
-            self.gather_unit(0);
-            self.plan.unpack(0, &self.gather_buf, &mut globals_tensors_mut(&mut g));
+            if self.plan.degree > 1 {
+                self.gather_unit(0);
+            }
+            self.plan.unpack(0, self.gathered(0), &mut globals_tensors_mut(&mut g));
             self.track((self.plan.unit_elements(0) * 4) as isize);
             self.globals = Some(g);
         }
@@ -392,10 +407,10 @@ impl WeightSource<f32> for FsdpParams<'_> {
                 Some(b) => b,
                 None => LayerParams::zeros(&self.m),
             };
-            if !self.finish_prefetch(l) {
+            if self.plan.degree > 1 && !self.finish_prefetch(l) {
                 self.gather_unit(l + 1);
             }
-            self.plan.unpack(l + 1, &self.gather_buf, &mut buf.tensors_mut());
+            self.plan.unpack(l + 1, self.gathered(l + 1), &mut buf.tensors_mut());
             self.track((self.plan.unit_elements(l + 1) * 4) as isize);
             self.blocks[l] = Some(buf);
         }
@@ -653,7 +668,8 @@ pub fn predicted_memory(plan: &ShardPlan, dp_rep: usize, reshard: bool, overlap:
     let blocks = plan.units.len() - 1;
     let block = (1..=blocks).map(|u| plan.unit_elements(u)).max().unwrap_or(0);
     let held = if reshard { blocks.min(1) } else { blocks };
-    let buffers = plan.max_gathered_len() + if overlap { plan.max_shard_len() } else { 0 };
+    // The gather buffers (and the prefetch's send buffer); none with degree 1.
+    let buffers = if plan.degree > 1 { plan.max_gathered_len() + if overlap { plan.max_shard_len() } else { 0 } } else { 0 };
     let reduce = if plan.degree > 1 { plan.max_gathered_len() + plan.max_shard_len() } else { 0 };
     let outer = if dp_rep > 1 { plan.shard_elements() } else { 0 };
     StateMemory {

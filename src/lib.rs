@@ -8,6 +8,7 @@ pub mod comm;
 pub mod config;
 pub mod cp;
 pub mod data;
+pub mod debug;
 pub mod fsdp;
 pub mod hdf5io;
 pub mod hf;

@@ -27,8 +27,9 @@ pub struct RankPlan {
     pub state: StateMemory,
     /// Activation buffers with the deck's activation checkpointing.
     pub activations: ActivationMemory,
-    /// The same without (`none`) and with (`full`) activation checkpointing.
+    /// The same without (`none`) and with (`selective`, `full`) activation checkpointing.
     pub activations_none: ActivationMemory,
+    pub activations_selective: ActivationMemory,
     pub activations_full: ActivationMemory,
     /// Bytes per optimiser step by `group.kind`, as `comm` counts them.
     pub comm: BTreeMap<String, u64>,
@@ -67,6 +68,7 @@ pub fn plan(res: &Resolved) -> RankPlan {
         state,
         activations: acts(deck.train.activation_checkpointing),
         activations_none: acts(ActCkpt::None),
+        activations_selective: acts(ActCkpt::Selective),
         activations_full: acts(ActCkpt::Full),
         comm: comm_bytes(res, &dims, &shards),
         flops_per_step,
@@ -255,10 +257,11 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
     let _ = writeln!(s, "  {:<32} {:>12}", "peak (predicted)", mib(p.peak_bytes()));
     let _ = writeln!(
         s,
-        "  activations + logits + backward: {} MiB without activation checkpointing, {} MiB with (deck: {})",
+        "  activations + logits + backward by activation_checkpointing: none {} MiB, selective {} MiB, full {} MiB (deck: {})",
         mib(p.activations_none.total()),
+        mib(p.activations_selective.total()),
         mib(p.activations_full.total()),
-        if ckpt == ActCkpt::Full { "full" } else { "none" }
+        ckpt.name()
     );
     if hw.memory_per_rank > 0.0 {
         let fits = p.peak_bytes() as f64 <= hw.memory_per_rank;

@@ -65,12 +65,13 @@ pub fn global_from_local(local: &ModelParams<f32>, cfg: &ModelCfg, tp: &Group) -
 ///
 /// * without sequence parallelism, all-reduces of `[tokens, D]`: the embedding's partial rows,
 ///   two per block in forward (after `o_proj`, after `down_proj`), two in backward (the input
-///   gradients of the column-parallel projections), two more per block when activation
-///   checkpointing recomputes the forward, and the final norm's input gradient;
+///   gradients of the column-parallel projections), one more per recomputed block when
+///   `full` activation checkpointing recomputes the forward (every block but the last; the
+///   recomputation skips the down projection), and the final norm's input gradient;
 /// * with it, each of those becomes a reduce-scatter and each replicated input an all-gather:
 ///   per block two all-gathers and two reduce-scatters in forward, four all-gathers (two of them
-///   re-gathering the norms' outputs) and two reduce-scatters in backward, the forward's four
-///   again when recomputed, plus the embedding's reduce-scatter and all-gather and the final
+///   re-gathering the norms' outputs) and two reduce-scatters in backward, two all-gathers
+///   and one reduce-scatter per recomputed block, plus the embedding's reduce-scatter and all-gather and the final
 ///   norm's all-gather and reduce-scatter;
 ///
 /// and always three `[tokens]` all-reduces of the vocab-parallel cross entropy. Once per step:
@@ -88,15 +89,18 @@ pub fn predicted_tp_bytes(
     if m.tp == 1 {
         return out;
     }
-    let (ga, l, r) = (grad_accum as u64, m.layers as u64, recompute as u64);
+    let (ga, l) = (grad_accum as u64, m.layers as u64);
+    // Blocks recomputed in backward (`full`): all but the last, each without the down
+    // projection, so with one gather pair and one reduction instead of two.
+    let rl = if recompute { l.saturating_sub(1) } else { 0 };
     let nd4 = (tokens * m.d * 4) as u64;
     let ce = ga * 3 * tokens as u64 * 4;
     if sequence_parallel {
-        out.insert("tp.all_gather".into(), ga * nd4 * (l * (6 + 2 * r) + 2));
-        out.insert("tp.reduce_scatter".into(), ga * nd4 * (l * (4 + 2 * r) + 2));
+        out.insert("tp.all_gather".into(), ga * nd4 * (6 * l + 2 * rl + 2));
+        out.insert("tp.reduce_scatter".into(), ga * nd4 * (4 * l + rl + 2));
         out.insert("tp.all_reduce".into(), ce + 8 + replicated_shard_elems as u64 * 4);
     } else {
-        out.insert("tp.all_reduce".into(), ga * nd4 * (2 + l * (4 + 2 * r)) + ce + 8);
+        out.insert("tp.all_reduce".into(), ga * nd4 * (2 + 4 * l + rl) + ce + 8);
     }
     out
 }

@@ -201,6 +201,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     // Time spent writing the previous step's logs (the timing log's `log_s`).
     let mut last_log_s = 0.0;
     crate::preempt::install()?;
+    let debug_delay = crate::debug::step_delay()?;
     if start_step >= steps {
         say!("the checkpoint is at step {start_step}, [run] steps = {steps}: nothing left to train");
     }
@@ -267,6 +268,9 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         let train_s = step_start.elapsed().as_secs_f64();
         step_times.push(train_s);
         losses.push(loss);
+        if let Some(d) = debug_delay {
+            std::thread::sleep(d);
+        }
 
         // A stop signal on any rank ends the run here, at a step boundary, with a checkpoint.
         let t_stop = Instant::now();
@@ -394,8 +398,8 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             say!("exported the final model to {} (Hugging Face format)", dir.display());
         }
     }
-    if tcfg.activation_checkpointing == ActCkpt::Full {
-        say!("activation checkpointing: full ({:.1} MiB held)", act as f64 / 1048576.0);
+    if tcfg.activation_checkpointing != ActCkpt::None {
+        say!("activation checkpointing: {} ({:.1} MiB held)", tcfg.activation_checkpointing.name(), act as f64 / 1048576.0);
     }
     Ok(RunSummary {
         losses,

@@ -200,7 +200,7 @@ fn a_kill_during_a_write_leaves_the_previous_checkpoint() {
     let sets = ["run.steps=6", "checkpoint.every=2", "parallel.dp_shard=2"];
     let straight = train(d, "straight", Some(2), &sets);
     let out = d.join("killed");
-    let (o, timed_out) = output_within(mpirun_train(2, &out, &sets).env(ndtrain::checkpoint::DEBUG_ABORT_ENV, "4"), 120);
+    let (o, timed_out) = output_within(mpirun_train(2, &out, &sets).env(ndtrain::debug::ABORT_DURING_CHECKPOINT_ENV, "4"), 120);
     assert!(!timed_out && !o.status.success(), "the job must die mid-write: {}", text(&o));
     let ck = out.join("ckpt");
     assert!(

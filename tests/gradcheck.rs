@@ -92,6 +92,11 @@ fn checkpointed_model_gradient_matches_finite_differences() {
     check_model(false, ActCkpt::Full);
 }
 
+#[test]
+fn selectively_checkpointed_model_gradient_matches_finite_differences() {
+    check_model(false, ActCkpt::Selective);
+}
+
 /// The attention kernel alone, with more query rows than one block (64) and positions that
 /// are not contiguous (as a context-parallel rank holds them), against finite differences of
 /// `sum(o ∘ r)` for a fixed random `r`.

@@ -104,7 +104,7 @@ fn a_llama3_8b_deck_on_512_ranks_plans_in_seconds() {
         .unwrap();
     assert!(o.status.success(), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    for want in ["parameters: 8030261248", "AdamW moments", "without activation checkpointing", "fsdp.all_gather", "fits in"] {
+    for want in ["parameters: 8030261248", "AdamW moments", "by activation_checkpointing: none", "fsdp.all_gather", "fits in"] {
         assert!(out.contains(want), "plan shows {want}:\n{out}");
     }
 }

@@ -110,13 +110,15 @@ fn wait_for(what: &str, secs: u64, log: &std::path::Path, mut done: impl FnMut()
 fn requeue_after_signal(env: &[(String, String)], dir: &std::path::Path) {
     let run = dir.join("requeued");
     let job_out = dir.join("requeued.out");
-    let sets = format!("run.steps=300 optim.warmup_steps=2 parallel.dp_shard=2 run.out_dir=\"{}\"", run.display());
+    // 100 steps of at least 0.1 s each (a debug delay): the run is still going when the signal
+    // lands, however fast the machine.
+    let sets = format!("run.steps=100 optim.warmup_steps=2 parallel.dp_shard=2 run.out_dir=\"{}\"", run.display());
     let o = Command::new("sbatch")
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .args(["--parsable", "--ntasks-per-node=2", "--job-name=requeued"])
         .arg(format!("--chdir={}", repo().display()))
         .arg(format!("--output={}", job_out.display()))
-        .arg(format!("--export=ALL,DECK={},NDTRAIN={},SETS={sets}", tiny_deck().display(), bin()))
+        .arg(format!("--export=ALL,DECK={},NDTRAIN={},SETS={sets},{}=100", tiny_deck().display(), bin(), ndtrain::debug::STEP_DELAY_ENV))
         .arg(repo().join("jobscripts/slurm/train.sbatch"))
         .output()
         .unwrap();
@@ -136,5 +138,5 @@ fn requeue_after_signal(env: &[(String, String)], dir: &std::path::Path) {
     let log = log();
     assert!(log.contains("exiting with code 75") && log.contains(&format!("scontrol requeue {job}")), "{log}");
     assert!(log.contains("(restart 1)") && log.contains("resumed from"), "{log}");
-    assert_eq!(losses(&run).1.len(), 300, "{log}");
+    assert_eq!(losses(&run).1.len(), 100, "{log}");
 }

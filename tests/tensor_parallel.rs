@@ -16,6 +16,7 @@ fn tensor_parallel_layouts_match_one_rank() {
         ("HSDP=2x2 x TP=2", 8, &["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2"]),
         ("TP=2 checkpointed", 2, &["parallel.tp=2", "train.activation_checkpointing=\"full\""]),
         ("TP=2 + SP", 2, &["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("TP=2 + SP selective", 2, &["parallel.tp=2", "parallel.sequence_parallel=true", "train.activation_checkpointing=\"selective\""]),
         ("TP=4 + SP checkpointed", 4, &["parallel.tp=4", "parallel.sequence_parallel=true", "train.activation_checkpointing=\"full\""]),
         ("FSDP=2 x TP=2 + SP", 4, &["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     ];

@@ -47,8 +47,11 @@ fn mpirun_one_rank_equals_singleton_and_checkpointing_is_bit_identical() {
     let (single, _) = train_losses(dir.path(), "single", &deck, None, &base);
     let (launched, _) = train_losses(dir.path(), "mpirun1", &deck, Some(1), &base);
     assert_eq!(single, launched, "mpirun -n 1 must reproduce the singleton run bitwise");
-    let (ckpt, _) = train_losses(dir.path(), "ckpt", &deck, None, &[base[0], base[1], "train.activation_checkpointing=\"full\""]);
-    assert_eq!(single, ckpt, "activation checkpointing must not change a single bit of the loss");
+    for mode in ["full", "selective"] {
+        let set = format!("train.activation_checkpointing=\"{mode}\"");
+        let (ckpt, _) = train_losses(dir.path(), mode, &deck, None, &[base[0], base[1], &set]);
+        assert_eq!(single, ckpt, "activation checkpointing ({mode}) must not change a single bit of the loss");
+    }
 }
 
 #[test]

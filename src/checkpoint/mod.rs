@@ -35,10 +35,6 @@ pub const KINDS: [&str; 3] = ["model", "optim/exp_avg", "optim/exp_avg_sq"];
 pub const CHECKSUM_ALGORITHM: &str = "ndtrain-additive-v1: sum mod 2^64 over elements of splitmix64_finalize(fnv1a64(dataset path) \
      + row_major_index * 0x9e3779b97f4a7c15 + f32_bits * 0xd6e8feb86659fd93)";
 
-/// Environment variable of the fault-injection hook the tests use: when writing the checkpoint
-/// of this step, world rank 0 aborts the job after half the tensors are written.
-pub const DEBUG_ABORT_ENV: &str = "NDTRAIN_DEBUG_ABORT_DURING_CHECKPOINT";
-
 /// Where the data loader is: every sample order is a pure function of (seed, step), so the
 /// next step, the batch geometry and the order restore it exactly.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -204,13 +200,18 @@ pub fn save(
     for g in ["model", "optim", "optim/exp_avg", "optim/exp_avg_sq"] {
         note(file.create_group(g).map_err(|e| e.to_string()));
     }
-    let abort_at = std::env::var(DEBUG_ABORT_ENV).ok().and_then(|v| v.parse::<u64>().ok());
+    let abort_at = crate::debug::abort_during_checkpoint();
     let mut collective = true;
     let mut bytes = 0u64;
     for (k, kind) in KINDS.iter().enumerate() {
         for (i, b) in blocks.iter().enumerate() {
             if abort_at == Some(meta.step) && k == 1 && i == 0 && rank0 {
-                crate::say!("{DEBUG_ABORT_ENV}={}: aborting the job in the middle of writing {}", meta.step, tmp.display());
+                crate::say!(
+                    "{}={}: aborting the job in the middle of writing {}",
+                    crate::debug::ABORT_DURING_CHECKPOINT_ENV,
+                    meta.step,
+                    tmp.display()
+                );
                 crate::comm::abort(crate::cli::EXIT_RUN_FAILED);
             }
             bytes += 4 * b.global_shape.iter().product::<usize>() as u64;

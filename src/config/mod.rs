@@ -147,6 +147,21 @@ pub enum ActCkpt {
     None,
     /// Keep only each block's input; recompute the block in backward.
     Full,
+    /// Keep what is expensive to recompute (the outputs of the projections and of attention);
+    /// recompute in backward what elementwise passes rebuild from them (the two norms' outputs,
+    /// SwiGLU's product, the token-major attention output).
+    Selective,
+}
+
+impl ActCkpt {
+    /// The deck's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            ActCkpt::None => "none",
+            ActCkpt::Full => "full",
+            ActCkpt::Selective => "selective",
+        }
+    }
 }
 
 /// `[train]`: batch geometry and activation checkpointing.

@@ -9,7 +9,7 @@
 //! time live in a `[QB, Sk]` scratch: no `[S, S]` matrix is ever held.
 //! Knows nothing of projections, RoPE or parallelism.
 
-use crate::real::{matmul_serial as matmul, Mat, MatMut, Real};
+use crate::real::{dot, matmul_serial as matmul, max_lanes, sum_lanes, Mat, MatMut, Real};
 use rayon::prelude::*;
 
 /// Query rows per block: the scratch is `QB × Sk` per task.
@@ -34,6 +34,45 @@ fn key_limit(k_pos: &[usize], k_sorted: bool, q_pos_block: &[usize]) -> usize {
     }
     let last = q_pos_block.iter().copied().max().unwrap_or(0);
     k_pos.partition_point(|&p| p <= last)
+}
+
+/// How many leading keys the query at position `qp` sees: with ascending key positions the
+/// keys at or before it; otherwise all of them (the caller masks).
+fn visible_keys(k_pos: &[usize], k_sorted: bool, qp: usize) -> usize {
+    if k_sorted {
+        k_pos.partition_point(|&p| p <= qp)
+    } else {
+        k_pos.len()
+    }
+}
+
+/// One row of attention scores `q·kᵀ` becomes, in place, the softmax of `scale·q·kᵀ` over the
+/// keys the query at `qp` sees (0 for the others). Returns the row's log-sum-exp of the scaled
+/// scores, −∞ when it sees no key (a context-parallel rank's early queries against a later
+/// chunk: the row then contributes nothing).
+fn softmax_row<T: Real>(row: &mut [T], k_pos: &[usize], k_sorted: bool, qp: usize, scale: T) -> T {
+    let vis = visible_keys(k_pos, k_sorted, qp);
+    let (seen, hidden) = row.split_at_mut(vis);
+    hidden.fill(T::ZERO);
+    seen.iter_mut().for_each(|x| *x *= scale);
+    if !k_sorted {
+        for (x, &kp) in seen.iter_mut().zip(k_pos) {
+            if kp > qp {
+                *x = T::NEG_INFINITY;
+            }
+        }
+    }
+    let m = max_lanes(seen);
+    if m == T::NEG_INFINITY {
+        seen.fill(T::ZERO);
+        return T::NEG_INFINITY;
+    }
+    // e^(−∞ − m) = 0 for the masked keys.
+    seen.iter_mut().for_each(|x| *x = (*x - m).exp());
+    let sum = sum_lanes(seen);
+    let inv = T::ONE / sum;
+    seen.iter_mut().for_each(|x| *x *= inv);
+    m + sum.ln()
 }
 
 /// Attention forward. Overwrites `o [B, H, Sq, hd]` and `lse [B, H, Sq]`.
@@ -64,31 +103,7 @@ pub fn attention_fwd<T: Real>(o: &mut [T], lse: &mut [T], q: &[T], k: &[T], v: &
                 let s_blk = &mut scores[..qb * nk];
                 matmul(MatMut::rm(s_blk, qb, nk), Mat::rm(q_blk, qb, hd), Mat::rm(&kg[..nk * hd], nk, hd).t(), false);
                 for (r, row) in s_blk.chunks_mut(nk).enumerate() {
-                    let qp = q_pos[i0 + r];
-                    let mut m = T::NEG_INFINITY;
-                    for (c, x) in row.iter_mut().enumerate() {
-                        if k_pos[c] > qp {
-                            *x = T::NEG_INFINITY;
-                        } else {
-                            *x *= scale;
-                            m = m.max(*x);
-                        }
-                    }
-                    if m == T::NEG_INFINITY {
-                        // No visible key in this block of keys (a context-parallel rank's
-                        // earlier-position queries against a later chunk): contributes nothing.
-                        row.iter_mut().for_each(|x| *x = T::ZERO);
-                        lse_blk[r] = T::NEG_INFINITY;
-                        continue;
-                    }
-                    let mut sum = T::ZERO;
-                    for x in row.iter_mut() {
-                        *x = if *x == T::NEG_INFINITY { T::ZERO } else { (*x - m).exp() };
-                        sum += *x;
-                    }
-                    let inv = T::ONE / sum;
-                    row.iter_mut().for_each(|x| *x *= inv);
-                    lse_blk[r] = m + sum.ln();
+                    lse_blk[r] = softmax_row(row, &k_pos[..nk], k_sorted, q_pos[i0 + r], scale);
                 }
                 matmul(MatMut::rm(o_blk, qb, hd), Mat::rm(s_blk, qb, nk), Mat::rm(&vg[..nk * hd], nk, hd), false);
             }
@@ -150,13 +165,23 @@ pub fn attention_bwd<T: Real>(
                     for r in 0..qb {
                         let qp = q_pos[i0 + r];
                         let l = lse_blk[r];
-                        let d_r: T = (0..hd).map(|c| do_blk[r * hd + c] * o_blk[r * hd + c]).sum();
+                        let (do_r, o_r) = (&do_blk[r * hd..][..hd], &o_blk[r * hd..][..hd]);
+                        let d_r = dot(do_r, o_r);
                         let (prow, dprow) = (&mut p_blk[r * nk..][..nk], &mut dp_blk[r * nk..][..nk]);
-                        for c in 0..nk {
-                            let pv = if k_pos[c] > qp { T::ZERO } else { (prow[c] * scale - l).exp() };
-                            prow[c] = pv;
+                        let vis = visible_keys(&k_pos[..nk], k_sorted, qp);
+                        for (pv, dpv) in prow[..vis].iter_mut().zip(&mut dprow[..vis]) {
+                            *pv = (*pv * scale - l).exp();
                             // dp now holds scale·dS, the gradient of the raw q·kᵀ product.
-                            dprow[c] = pv * (dprow[c] - d_r) * scale;
+                            *dpv = *pv * (*dpv - d_r) * scale;
+                        }
+                        prow[vis..].fill(T::ZERO);
+                        dprow[vis..].fill(T::ZERO);
+                        if !k_sorted {
+                            for ((pv, dpv), &kp) in prow.iter_mut().zip(dprow.iter_mut()).zip(k_pos) {
+                                if kp > qp {
+                                    (*pv, *dpv) = (T::ZERO, T::ZERO);
+                                }
+                            }
                         }
                     }
                     // dV += Pᵀ·dO ; dQ = dS·K ; dK += dSᵀ·Q

@@ -3,8 +3,10 @@
 //! `Model<T>` owns the activations of one micro-batch; the weights (`ModelParams`) are passed
 //! in, so a parallel strategy decides where they come from (local, gathered, sharded) without
 //! this module knowing. Forward and backward are hand-written (llm.c style), side by side per
-//! block. Activation checkpointing ("full") keeps only each block's input and recomputes the
-//! block in backward with the same code, so its results are bit-identical.
+//! block. Activation checkpointing recomputes in backward, with the forward's own code (so the
+//! results are bit-identical), either the whole block from its saved input (`full`) or only the
+//! cheap elementwise outputs from the saved GEMM and attention outputs (`selective`). Either way
+//! the last block is not recomputed: its activations are still in the recompute scratch.
 //!
 //! Legend: `B` micro-batch, `S` sequence, `N = B·S` tokens, `D` width, `H` query heads,
 //! `KV` kv heads, `hd` head dim, `F` ffn hidden, `V` vocab.
@@ -215,22 +217,46 @@ struct BlockActs<T> {
     h: Vec<T>,       // [N, F] silu(gate)·up
 }
 
+/// Which of [`BlockActs`]' fields (in declaration order) `selective` recomputes: xn1, att_tok,
+/// xn2, h — each one elementwise pass over tensors that are kept.
+const CHEAP_TO_RECOMPUTE: [usize; 4] = [2, 8, 11, 14];
+
+/// Which activations a buffer holds: what forward keeps per block, or the recompute scratch.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ActsRole {
+    Saved,
+    Scratch,
+}
+
 impl<T: Real> BlockActs<T> {
     /// Element counts of every field, in declaration order: what `alloc` allocates and what
     /// the planner predicts (one function, so the two cannot drift apart).
-    fn lens(m: &Dims, n: usize, nl: usize, input_only: bool) -> [usize; 15] {
+    fn lens(m: &Dims, n: usize, nl: usize, ckpt: ActCkpt, role: ActsRole) -> [usize; 15] {
         let (d, f, hd) = (m.d, m.ffn, m.hd);
         let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
-        if input_only {
-            return [nl * d, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
-        }
-        [nl * d, nl, nl * d, n * qd, n * kvd, n * kvd, n * qd, n * m.heads, n * qd, nl * d, nl, nl * d, n * f, n * f, n * f]
+        let all = [nl * d, nl, nl * d, n * qd, n * kvd, n * kvd, n * qd, n * m.heads, n * qd, nl * d, nl, nl * d, n * f, n * f, n * f];
+        let keep = |i: usize| match (ckpt, role) {
+            (ActCkpt::None, ActsRole::Saved) | (ActCkpt::Full, ActsRole::Scratch) => true,
+            (ActCkpt::None, ActsRole::Scratch) => false,
+            (ActCkpt::Full, ActsRole::Saved) => i == 0,
+            (ActCkpt::Selective, ActsRole::Saved) => !CHEAP_TO_RECOMPUTE.contains(&i),
+            (ActCkpt::Selective, ActsRole::Scratch) => CHEAP_TO_RECOMPUTE.contains(&i),
+        };
+        std::array::from_fn(|i| if keep(i) { all[i] } else { 0 })
     }
 
-    fn alloc(m: &Dims, n: usize, nl: usize, input_only: bool) -> Self {
+    fn alloc(m: &Dims, n: usize, nl: usize, ckpt: ActCkpt, role: ActsRole) -> Self {
         let [x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h] =
-            Self::lens(m, n, nl, input_only).map(|len| vec![T::ZERO; len]);
+            Self::lens(m, n, nl, ckpt, role).map(|len| vec![T::ZERO; len]);
         BlockActs { x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h }
+    }
+
+    /// Exchanges the fields `selective` recomputes (no copy: the buffers change hands).
+    fn swap_cheap(&mut self, other: &mut Self) {
+        std::mem::swap(&mut self.xn1, &mut other.xn1);
+        std::mem::swap(&mut self.att_tok, &mut other.att_tok);
+        std::mem::swap(&mut self.xn2, &mut other.xn2);
+        std::mem::swap(&mut self.h, &mut other.h);
     }
 
     fn bytes(&self) -> usize {
@@ -344,9 +370,10 @@ impl<T: Real> BlockGrads<T> {
 /// exist; the planner predicts memory from this without allocating anything.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ActivationMemory {
-    /// What forward keeps for backward: every block's activations (`none`) or inputs (`full`).
+    /// What forward keeps for backward: every block's activations (`none`), inputs (`full`),
+    /// or all but the cheap elementwise outputs (`selective`).
     pub saved: usize,
-    /// With `full`: one block's activations, recomputed in backward.
+    /// One block's recomputed activations: all of them (`full`) or the cheap ones (`selective`).
     pub recompute: usize,
     /// The logits `[N, V_local]` (the logit gradients overwrite them).
     pub logits: usize,
@@ -385,10 +412,13 @@ pub struct Model<T> {
     inputs: Vec<u32>,
     rope_cos: Vec<T>, // [S, hd/2]
     rope_sin: Vec<T>, // [S, hd/2]
-    /// Per layer: every activation (`none`) or only the block input (`full`).
+    /// Per layer: what forward keeps for backward (see [`ActCkpt`]).
     saved: Vec<BlockActs<T>>,
-    /// With `full`: one block's activations, recomputed in backward.
+    /// One block's recomputed activations (`full`: all; `selective`: the cheap ones).
     scratch: BlockActs<T>,
+    /// The scratch holds the last block's activations from the last forward (backward starts
+    /// with that block and need not recompute it).
+    scratch_is_last_block: bool,
     grads: BlockGrads<T>,
     x_final: Vec<T>,   // [N_local, D] output of the last block
     rstd_f: Vec<T>,    // [N_local]
@@ -427,6 +457,7 @@ impl<T: Real> Model<T> {
             rope_sin: vec![],
             saved: vec![],
             scratch: BlockActs::default(),
+            scratch_is_last_block: false,
             grads: BlockGrads::default(),
             x_final: vec![],
             rstd_f: vec![],
@@ -441,13 +472,12 @@ impl<T: Real> Model<T> {
     pub fn memory(m: &Dims, b: usize, s: usize, ckpt: ActCkpt, sequence_parallel: bool, cp: usize) -> ActivationMemory {
         let n = b * s;
         let nl = if sequence_parallel { n / m.tp } else { n };
-        let input_only = ckpt == ActCkpt::Full;
-        let acts = |input_only| BlockActs::<f32>::lens(m, n, nl, input_only).iter().sum::<usize>();
+        let acts = |role| BlockActs::<f32>::lens(m, n, nl, ckpt, role).iter().sum::<usize>();
         let grads: usize = BlockGrads::<f32>::lens(m, n, nl, sequence_parallel, cp > 1).iter().sum();
         let head = nl * m.d + nl + nl * m.d + if sequence_parallel { n * m.d } else { 0 } + n;
         ActivationMemory {
-            saved: 4 * m.layers * acts(input_only),
-            recompute: if input_only { 4 * acts(false) } else { 0 },
+            saved: 4 * m.layers * acts(ActsRole::Saved),
+            recompute: 4 * acts(ActsRole::Scratch),
             logits: 4 * n * m.vocab,
             head: 4 * head,
             // Block gradients, the residual's gradient, and the loss's two row scratches.
@@ -463,9 +493,9 @@ impl<T: Real> Model<T> {
         assert!(!self.sp || n % self.m.tp == 0, "sequence parallelism needs B·S divisible by tp");
         let nl = if self.sp { n / self.m.tp } else { n };
         let (d, v) = (self.m.d, self.m.vocab);
-        let input_only = self.ckpt == ActCkpt::Full;
-        self.saved = (0..self.m.layers).map(|_| BlockActs::alloc(&self.m, n, nl, input_only)).collect();
-        self.scratch = if input_only { BlockActs::alloc(&self.m, n, nl, false) } else { BlockActs::default() };
+        self.saved = (0..self.m.layers).map(|_| BlockActs::alloc(&self.m, n, nl, self.ckpt, ActsRole::Saved)).collect();
+        self.scratch = BlockActs::alloc(&self.m, n, nl, self.ckpt, ActsRole::Scratch);
+        self.scratch_is_last_block = false;
         self.grads = BlockGrads::alloc(&self.m, n, nl, self.sp, self.cp > 1);
         self.ce_max = vec![T::ZERO; n];
         self.ce_target = vec![T::ZERO; n];
@@ -565,19 +595,26 @@ impl<T: Real> Model<T> {
         seq.finish(x0, &self.grads.full_b);
         for l in 0..nl {
             let (saved_l, rest) = self.saved[l..].split_first_mut().expect("layer exists");
-            let acts = if self.ckpt == ActCkpt::Full {
-                self.scratch.x.copy_from_slice(&saved_l.x);
-                &mut self.scratch
-            } else {
-                saved_l
-            };
             let out = match rest.first_mut() {
                 Some(next) => &mut next.x,
                 None => &mut self.x_final,
             };
-            block_fwd(&ctx, w.block(l), acts, &mut self.grads, out);
+            match self.ckpt {
+                ActCkpt::None => block_fwd(&ctx, w.block(l), saved_l, &mut self.grads, Some(out)),
+                ActCkpt::Full => {
+                    self.scratch.x.copy_from_slice(&saved_l.x);
+                    block_fwd(&ctx, w.block(l), &mut self.scratch, &mut self.grads, Some(out));
+                }
+                ActCkpt::Selective => {
+                    // The cheap outputs are written into the scratch and not kept.
+                    saved_l.swap_cheap(&mut self.scratch);
+                    block_fwd(&ctx, w.block(l), saved_l, &mut self.grads, Some(out));
+                    saved_l.swap_cheap(&mut self.scratch);
+                }
+            }
             w.block_done(l);
         }
+        self.scratch_is_last_block = nl > 0;
         let seq_total = s * self.cp;
         let q_pos = &self.positions;
         let pairs: u64 = if self.cp == 1 {
@@ -639,18 +676,32 @@ impl<T: Real> Model<T> {
 
         for l in (0..nl).rev() {
             let wl = w.block(l);
-            let acts = if self.ckpt == ActCkpt::Full {
-                // Recompute the block from its saved input, with the forward's own code.
-                self.scratch.x.copy_from_slice(&self.saved[l].x);
-                let mut out = std::mem::take(&mut self.grads.dx1);
-                block_fwd(&ctx, wl, &mut self.scratch, &mut self.grads, &mut out);
-                self.grads.dx1 = out;
-                &self.scratch
-            } else {
-                &self.saved[l]
+            // The last block's activations are still in the scratch from forward.
+            let recompute = !std::mem::take(&mut self.scratch_is_last_block);
+            let acts = match self.ckpt {
+                ActCkpt::None => &self.saved[l],
+                ActCkpt::Full => {
+                    // The block again from its saved input, with the forward's own code.
+                    if recompute {
+                        self.scratch.x.copy_from_slice(&self.saved[l].x);
+                        block_fwd(&ctx, wl, &mut self.scratch, &mut self.grads, None);
+                    }
+                    &self.scratch
+                }
+                ActCkpt::Selective => {
+                    let saved_l = &mut self.saved[l];
+                    saved_l.swap_cheap(&mut self.scratch);
+                    if recompute {
+                        recompute_cheap(&ctx, wl, saved_l);
+                    }
+                    &self.saved[l]
+                }
             };
             // dx: gradient w.r.t. the block output in, w.r.t. the block input out.
             block_bwd(&ctx, wl, gs.block_mut(l), acts, &mut self.grads, &mut self.dx);
+            if self.ckpt == ActCkpt::Selective {
+                self.saved[l].swap_cheap(&mut self.scratch);
+            }
             w.block_done(l);
             gs.block_done(l);
         }
@@ -690,8 +741,10 @@ impl<T> BlockCtx<'_, T> {
 
 /// One decoder block forward: `x1 = x + o(attn(rope(q(n1(x))), rope(k(..)), v(..)))`,
 /// `out = x1 + down(silu(gate(n2(x1))) · up(n2(x1)))`. Fills `a` (its `x` is the input) and
-/// overwrites `out [N, D]`; `g` lends its projection scratch.
-fn block_fwd<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T>, g: &mut BlockGrads<T>, out: &mut [T]) {
+/// overwrites `out [N, D]`; `g` lends its projection scratch. `out = None` is the recomputation
+/// for backward, which needs every activation but not the block output: it skips the down
+/// projection (a fifth of the block's FLOPs) and its tensor-parallel reduction.
+fn block_fwd<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T>, g: &mut BlockGrads<T>, out: Option<&mut [T]>) {
     let m = ctx.m;
     let seq = ctx.seq;
     let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
@@ -719,10 +772,21 @@ fn block_fwd<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T
     linear_fwd(&mut a.gate, xn2, &w.gate_proj, n, f, d, false);
     linear_fwd(&mut a.up, xn2, &w.up_proj, n, f, d, false);
     swiglu_fwd(&mut a.h, &a.gate, &a.up);
+    let Some(out) = out else { return };
     // Row-parallel down_proj: partial sums reduced into this rank's rows; backward: gather.
     linear_fwd(seq.partial(out, &mut g.full_b), &a.h, &w.down_proj, n, d, f, false);
     seq.finish(out, &g.full_b);
     add_assign(out, &a.x1);
+}
+
+/// `selective` checkpointing's recomputation: the activations [`block_fwd`] derives by one
+/// elementwise pass from tensors that were kept, with the same kernels (bit-identical).
+fn recompute_cheap<T: Real>(ctx: &BlockCtx<T>, w: &LayerParams<T>, a: &mut BlockActs<T>) {
+    let m = ctx.m;
+    rmsnorm_fwd(&mut a.xn1, &mut a.rstd1, &a.x, &w.input_layernorm, m.d, m.norm_eps);
+    from_heads_rope(&mut a.att_tok, &a.att, ctx.b, ctx.s, m.heads, m.hd, None);
+    rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, m.d, m.norm_eps);
+    swiglu_fwd(&mut a.h, &a.gate, &a.up);
 }
 
 /// One decoder block backward. `dx` holds the gradient of the block output on entry and of
