@@ -354,10 +354,20 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
             drop(mesh);
             rt.finalize_and_exit(if summary.preempted { EXIT_PREEMPTED } else { 0 })
         }
-        Err(e) => {
-            report_error(&format!("rank {}: {e}", mesh.world.rank()));
-            comm::abort(EXIT_RUN_FAILED)
-        }
+        Err(e) => match e.downcast::<crate::train::AgreedFailure>() {
+            // Every rank stopped at the same point: finalise together, report once.
+            Ok(agreed) => {
+                if let Some(m) = &agreed.message {
+                    report_error(m);
+                }
+                drop(mesh);
+                rt.finalize_and_exit(EXIT_RUN_FAILED)
+            }
+            Err(e) => {
+                report_error(&format!("rank {}: {e}", mesh.world.rank()));
+                comm::abort(EXIT_RUN_FAILED)
+            }
+        },
     }
 }
 

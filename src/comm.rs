@@ -5,7 +5,7 @@
 //! read measured volumes. A group of size 1 returns at once from every collective: call sites
 //! never special-case a degree of 1. Knows nothing of the model or of what the buffers mean.
 
-use mpi::collective::{CommunicatorCollectives, SystemOperation};
+use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::datatype::Equivalence;
 use mpi::ffi;
 use mpi::raw::AsRaw;
@@ -386,6 +386,32 @@ impl Group {
             let send = buf.to_vec();
             self.comm.all_reduce_into(&send[..], buf, SystemOperation::max());
         }
+    }
+
+    /// Agrees on an outcome: `Ok` on every rank only if it is `Ok` on every rank; otherwise
+    /// every rank returns the message of the lowest rank that failed, naming that rank, so
+    /// whichever rank reports it says why.
+    pub fn agree<T>(&self, local: Result<T, String>) -> Result<T, String> {
+        let mut who = [if local.is_err() { u64::MAX - self.rank as u64 } else { 0 }];
+        self.agree_max_u64(&mut who);
+        if who[0] == 0 {
+            return local;
+        }
+        let root = (u64::MAX - who[0]) as usize;
+        let mut text = match &local {
+            Err(e) if self.rank == root => e.clone().into_bytes(),
+            _ => vec![],
+        };
+        if self.size > 1 {
+            let proc = self.comm.process_at_rank(root as i32);
+            let mut len = [text.len() as u64];
+            proc.broadcast_into(&mut len[..]);
+            text.resize(len[0] as usize, 0);
+            proc.broadcast_into(&mut text[..]);
+        }
+        let text = String::from_utf8_lossy(&text);
+        // A message that already names its rank is passed on as it is.
+        Err(if text.starts_with("rank ") { text.into_owned() } else { format!("rank {root}: {text}") })
     }
 
     /// The MPI communicator, for libraries that take one (parallel HDF5's MPI-IO driver).

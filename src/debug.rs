@@ -30,3 +30,80 @@ pub const ABORT_DURING_CHECKPOINT_ENV: &str = "NDTRAIN_DEBUG_ABORT_DURING_CHECKP
 pub fn abort_during_checkpoint() -> Option<u64> {
     std::env::var(ABORT_DURING_CHECKPOINT_ENV).ok().and_then(|v| v.trim().parse().ok())
 }
+
+/// A fault to inject: on world rank `rank`, at training step `step` (1-based, as the logs
+/// count), optionally naming a tensor. Written `step=3,rank=1[,tensor=NAME]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fault {
+    pub step: u64,
+    pub rank: usize,
+    pub tensor: Option<String>,
+}
+
+/// Rank `rank` returns an error at the start of step `step` (an ordinary runtime error: the
+/// job must end on every rank within seconds, naming the rank and the cause).
+pub const FAIL_ENV: &str = "NDTRAIN_DEBUG_FAIL";
+
+/// Rank `rank` stops making progress at the start of step `step` (sleeps, as a rank stuck in
+/// I/O would): the watchdog (`[run] watchdog_seconds`) must end the job.
+pub const HANG_ENV: &str = "NDTRAIN_DEBUG_HANG";
+
+/// Rank `rank` sets the first element of its gradient shard of `tensor` to NaN after the
+/// gradients of step `step` are reduced: `[optim] on_nonfinite` decides what happens.
+pub const NAN_GRAD_ENV: &str = "NDTRAIN_DEBUG_NAN_GRAD";
+
+/// Rank `rank` fails its part of writing the checkpoint of step `step` (as a full disk
+/// would): the write is abandoned on every rank and the previous checkpoint stays intact.
+pub const CHECKPOINT_WRITE_ERROR_ENV: &str = "NDTRAIN_DEBUG_CHECKPOINT_WRITE_ERROR";
+
+/// The fault described by environment variable `var`, if it is set.
+pub fn fault(var: &str) -> Result<Option<Fault>, String> {
+    match std::env::var(var) {
+        Err(_) => Ok(None),
+        Ok(v) => parse_fault(&v).map(Some).map_err(|e| format!("{var}={v:?}: {e}")),
+    }
+}
+
+fn parse_fault(spec: &str) -> Result<Fault, String> {
+    let (mut step, mut rank, mut tensor) = (None, None, None);
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part.split_once('=').ok_or_else(|| format!("{part:?} is not key=value"))?;
+        let number = || v.trim().parse::<u64>().map_err(|_| format!("{k} = {v:?} is not a whole number"));
+        match k.trim() {
+            "step" => step = Some(number()?),
+            "rank" => rank = Some(number()? as usize),
+            "tensor" => tensor = Some(v.trim().to_string()),
+            other => return Err(format!("unknown field {other:?} (expected step, rank, tensor)")),
+        }
+    }
+    let step = step.ok_or("missing step=N (1-based)")?;
+    if step == 0 {
+        return Err("step counts from 1".into());
+    }
+    Ok(Fault { step, rank: rank.unwrap_or(0), tensor })
+}
+
+/// Whether `f` fires on world rank `rank` at 1-based step `step`.
+pub fn fires(f: &Option<Fault>, rank: usize, step: u64) -> bool {
+    f.as_ref().is_some_and(|f| f.rank == rank && f.step == step)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_specs_parse_or_say_what_is_wrong() {
+        assert_eq!(parse_fault("step=3,rank=1").unwrap(), Fault { step: 3, rank: 1, tensor: None });
+        let f = parse_fault(" step = 2 , tensor=model.norm.weight ").unwrap();
+        assert_eq!((f.step, f.rank, f.tensor.as_deref()), (2, 0, Some("model.norm.weight")));
+        assert!(parse_fault("rank=1").unwrap_err().contains("missing step"));
+        assert!(parse_fault("step=0").unwrap_err().contains("from 1"));
+        assert!(parse_fault("step=x").unwrap_err().contains("whole number"));
+        assert!(parse_fault("step=1,when=now").unwrap_err().contains("unknown field"));
+        assert!(parse_fault("step").unwrap_err().contains("key=value"));
+        assert!(fires(&Some(Fault { step: 3, rank: 1, tensor: None }), 1, 3));
+        assert!(!fires(&Some(Fault { step: 3, rank: 1, tensor: None }), 0, 3));
+        assert!(!fires(&None, 0, 1));
+    }
+}

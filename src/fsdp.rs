@@ -596,6 +596,19 @@ impl<'g> FsdpGrads<'g> {
         }
         out
     }
+
+    pub fn slots_mut(&mut self) -> Vec<&mut [f32]> {
+        let mut out = vec![];
+        for (unit, shard) in self.plan.units.iter().zip(self.shards.iter_mut()) {
+            let mut rest: &mut [f32] = shard;
+            for t in &unit.tensors {
+                let (a, b) = rest.split_at_mut(t.shard_len());
+                out.push(a);
+                rest = b;
+            }
+        }
+        out
+    }
 }
 
 impl GradSink<f32> for FsdpGrads<'_> {

@@ -24,3 +24,4 @@ pub mod rng;
 pub mod sweep;
 pub mod tp;
 pub mod train;
+pub mod watchdog;

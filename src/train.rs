@@ -8,8 +8,9 @@
 use crate::checkpoint::blocks::{shard_blocks, ShardBlock};
 use crate::checkpoint::{self as ckpt, DataState, LoadError, Meta, WriterLayout};
 use crate::comm::CommCount;
-use crate::config::{ActCkpt, Resolved};
+use crate::config::{ActCkpt, OnNonFinite, Resolved};
 use crate::data::{open_source, Loader};
+use crate::debug::{fault, fires};
 use crate::fsdp::{FsdpGrads, FsdpParams};
 use crate::mesh::Mesh;
 use crate::metrics::{
@@ -23,9 +24,26 @@ use crate::real::{matmul, Mat, MatMut};
 use crate::say;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// A failure every rank detected at the same point from the same globally reduced values (a
+/// non-finite loss or gradient norm, a checkpoint write that failed somewhere): no rank is left
+/// inside a collective, so they all finalise MPI and exit non-zero together. `message` is set
+/// on the one rank that reports it, so the job prints it once.
+#[derive(Debug)]
+pub struct AgreedFailure {
+    pub message: Option<String>,
+}
+
+impl std::fmt::Display for AgreedFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.message.as_deref().unwrap_or("the run failed on every rank (reported by another rank)"))
+    }
+}
+
+impl std::error::Error for AgreedFailure {}
 
 /// What a finished run reports to its caller (tests read it; the console has printed it).
 #[derive(Clone, Debug)]
@@ -37,6 +55,8 @@ pub struct RunSummary {
     pub mean_step_s: f64,
     /// A stop signal ended the run early, after writing a checkpoint.
     pub preempted: bool,
+    /// Steps whose update `on_nonfinite = "skip"` skipped.
+    pub skipped_steps: u64,
 }
 
 /// Measured f32 GEMM rate of this rank on its threads (FLOP/s): the MFU denominator when the
@@ -163,6 +183,17 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     }
     let dp_rank = mesh.coords.dp_rank(&res.layout);
     let loader = Loader::new(&deck.data, source, s, mb, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed)?;
+    let needed = deck.run.steps.saturating_mul(res.global_batch as u64);
+    if needed > loader.samples_per_epoch() {
+        say!(
+            "warning: the data holds {} samples of seq_len {s}; {} steps × global_batch {} need {needed}: the run wraps around \
+             the data {:.1} times (epochs)",
+            loader.samples_per_epoch(),
+            deck.run.steps,
+            res.global_batch,
+            needed as f64 / loader.samples_per_epoch() as f64
+        );
+    }
 
     // Logs.
     let mut metrics = if rank == 0 { Some(MetricsCsv::create(&out_dir.join("metrics.csv"), start_step)?) } else { None };
@@ -202,12 +233,30 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let mut last_log_s = 0.0;
     crate::preempt::install()?;
     let debug_delay = crate::debug::step_delay()?;
+    let fail = fault(crate::debug::FAIL_ENV)?;
+    let hang = fault(crate::debug::HANG_ENV)?;
+    let nan_grad = fault(crate::debug::NAN_GRAD_ENV)?;
+    fault(crate::debug::CHECKPOINT_WRITE_ERROR_ENV)?;
+    let world_rank = mesh.world.rank();
+    let mut skipped = 0u64;
+    let watchdog = crate::watchdog::Watchdog::start(Duration::from_secs_f64(deck.run.watchdog_seconds), world_rank);
     if start_step >= steps {
         say!("the checkpoint is at step {start_step}, [run] steps = {steps}: nothing left to train");
     }
 
     for step in start_step..steps {
         let step_start = Instant::now();
+        let s1 = step + 1; // the step as the logs count it
+        crate::watchdog::beat(|| format!("step {s1}: start"));
+        if fires(&fail, world_rank, s1) {
+            return Err(format!("injected failure ({}) at step {s1}", crate::debug::FAIL_ENV).into());
+        }
+        if fires(&hang, world_rank, s1) {
+            eprintln!("rank {world_rank}: {} at step {s1}: this rank stops making progress", crate::debug::HANG_ENV);
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
         let mut pt = PhaseTimes::default();
         grads.zero();
         pt.0[2] += step_start.elapsed().as_secs_f64();
@@ -222,6 +271,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         let loss_scale = (1.0 / n_tok[0]) as f32;
         let mut loss_sum = 0.0f64;
         for micro in 0..ga {
+            crate::watchdog::beat(|| format!("step {s1}: micro-step {} of {ga}", micro + 1));
             let t0 = Instant::now();
             let batch = loader.micro_batch(step, micro)?;
             let t1 = Instant::now();
@@ -241,6 +291,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             pt.0[1] += (t2 - t1).as_secs_f64();
             pt.0[2] += (t3 - t2).as_secs_f64();
         }
+        crate::watchdog::beat(|| format!("step {s1}: gradient reduction and norm"));
         let t_comm = Instant::now();
         let mut loss_buf = [loss_sum];
         mesh.batch.all_reduce_sum_f64(&mut loss_buf);
@@ -249,6 +300,9 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         grads.finish_step();
         if deck.parallel.sequence_parallel {
             grads.sum_replicated_over(&mesh.tp);
+        }
+        if let Some(f) = nan_grad.as_ref().filter(|_| fires(&nan_grad, world_rank, s1)) {
+            inject_nan(&mut grads, &blocks, f)?;
         }
         // Global norm from the shards' squares, reduced once over the fsdp group (every dp_rep
         // replica already holds the same reduced shards).
@@ -259,9 +313,19 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
 
         let t_opt = Instant::now();
         let grad_norm = sq[0].sqrt();
-        grads.scale(clip_coefficient(grad_norm, ocfg.grad_clip));
         let lr = lr_at(ocfg, res.lr, step, steps);
-        opt.step_slots(params.slots_mut(), &grads.slots(), lr);
+        // The loss and the norm are global reductions: every rank takes the same branch.
+        if loss.is_finite() && grad_norm.is_finite() {
+            grads.scale(clip_coefficient(grad_norm, ocfg.grad_clip));
+            opt.step_slots(params.slots_mut(), &grads.slots(), lr);
+        } else if ocfg.on_nonfinite == OnNonFinite::Skip {
+            skipped += 1;
+            say!(
+                "step {s1}: loss {loss}, gradient norm {grad_norm}: not finite; update skipped ([optim] on_nonfinite = \"skip\"; {skipped} skipped so far)"
+            );
+        } else {
+            return Err(Box::new(nonfinite_failure(mesh, &grads, &blocks, s1, loss, grad_norm)));
+        }
         pt.0[4] += t_opt.elapsed().as_secs_f64();
 
         // Training time of the step (what tokens/s and MFU use): no checkpoint, no logging.
@@ -280,6 +344,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         pt.0[6] += t_stop.elapsed().as_secs_f64();
         let every = deck.checkpoint.every;
         if preempted || (every > 0 && ((step + 1) % every == 0 || step + 1 == steps)) {
+            crate::watchdog::beat(|| format!("step {s1}: writing a checkpoint"));
             let t_ckpt = Instant::now();
             save_checkpoint(res, mesh, &ckpt_dir, step + 1, &opt, &params, &blocks, &mut ckpt_log, 3 * shard_bytes)?;
             pt.0[5] += t_ckpt.elapsed().as_secs_f64();
@@ -347,6 +412,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             break;
         }
     }
+    drop(watchdog);
 
     // LAMMPS-style summary: each phase's min / avg / max across ranks, its share of the total,
     // and the load imbalance (max − avg) / avg; `other` is the rest of the wall time (start-up,
@@ -398,6 +464,9 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             say!("exported the final model to {} (Hugging Face format)", dir.display());
         }
     }
+    if skipped > 0 {
+        say!("{skipped} step(s) skipped: loss or gradient norm not finite ([optim] on_nonfinite = \"skip\")");
+    }
     if tcfg.activation_checkpointing != ActCkpt::None {
         say!("activation checkpointing: {} ({:.1} MiB held)", tcfg.activation_checkpointing.name(), act as f64 / 1048576.0);
     }
@@ -407,6 +476,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         activation_bytes: act,
         mean_step_s: step_times.iter().sum::<f64>() / step_times.len().max(1) as f64,
         preempted,
+        skipped_steps: skipped,
     })
 }
 
@@ -488,6 +558,45 @@ fn log_load(
     Ok(())
 }
 
+/// `NDTRAIN_DEBUG_NAN_GRAD`: NaN into the first element this rank holds of the named tensor's
+/// gradient.
+fn inject_nan(grads: &mut FsdpGrads<'_>, blocks: &[ShardBlock], f: &crate::debug::Fault) -> Result<(), Error> {
+    let name = f.tensor.as_deref().ok_or_else(|| format!("{} needs tensor=NAME", crate::debug::NAN_GRAD_ENV))?;
+    let slot =
+        blocks.iter().position(|b| b.name == name).ok_or_else(|| format!("{}: no tensor named {name}", crate::debug::NAN_GRAD_ENV))?;
+    let g = grads.slots_mut().swap_remove(slot);
+    let first = g.first_mut().ok_or_else(|| format!("{}: this rank holds no element of {name}", crate::debug::NAN_GRAD_ENV))?;
+    *first = f32::NAN;
+    Ok(())
+}
+
+/// `on_nonfinite = "abort"`: finds, on every rank, the first tensor whose gradient shard holds
+/// a NaN or an infinity; the lowest rank that found one reports it (rank 0 if none did: then
+/// only the loss was not finite).
+fn nonfinite_failure(mesh: &Mesh, grads: &FsdpGrads<'_>, blocks: &[ShardBlock], step: u64, loss: f64, norm: f64) -> AgreedFailure {
+    let rank = mesh.world.rank();
+    let found = grads.slots().iter().zip(blocks).find_map(|(g, b)| g.iter().position(|x| !x.is_finite()).map(|i| (b, i, g[i])));
+    // The lowest rank with a finding, as a max: u64::MAX − rank.
+    let mut reporter = [if found.is_some() { u64::MAX - rank as u64 } else { 0 }];
+    mesh.world.agree_max_u64(&mut reporter);
+    let reporter = if reporter[0] == 0 { 0 } else { (u64::MAX - reporter[0]) as usize };
+    let what = match found {
+        Some((b, i, x)) => format!(
+            "first offending tensor on this rank: {} (its shard's element {i}, at global offset {:?} of shape {:?}, is {x})",
+            b.name, b.start, b.global_shape
+        ),
+        None => "every gradient element on every rank is finite: the loss itself is not".into(),
+    };
+    AgreedFailure {
+        message: (rank == reporter).then(|| {
+            format!(
+                "rank {rank}: step {step}: loss {loss}, gradient norm {norm}: not finite; {what}. \
+                 [optim] on_nonfinite = \"abort\" (\"skip\" would skip the update and go on)"
+            )
+        }),
+    }
+}
+
 /// Writes the checkpoint after `step` optimiser steps and records it in `checkpoint_io.csv`.
 #[allow(clippy::too_many_arguments)]
 fn save_checkpoint(
@@ -520,7 +629,11 @@ fn save_checkpoint(
     let p = params.slots();
     let m: Vec<&[f32]> = opt.exp_avg.iter().map(|v| v.as_slice()).collect();
     let v: Vec<&[f32]> = opt.exp_avg_sq.iter().map(|v| v.as_slice()).collect();
-    let report = ckpt::save(dir, deck.checkpoint.keep, &meta, blocks, [&p, &m, &v], &mesh.world)?;
+    // Every failure of `save` is agreed on every rank; the run ends (the documented policy: the
+    // previous checkpoint and `latest` are untouched, `resume = "auto"` continues from them).
+    let report = ckpt::save(dir, deck.checkpoint.keep, &meta, blocks, [&p, &m, &v], &mesh.world).map_err(|e| AgreedFailure {
+        message: (mesh.world.rank() == 0).then(|| format!("rank 0: {e}; the run stops here (checkpoint write failures end the run)")),
+    })?;
     let seconds = mesh.world.min_max_sum_f64(report.seconds).1;
     let peak = mesh.world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;
     say!(

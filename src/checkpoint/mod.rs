@@ -136,16 +136,6 @@ pub fn list(dir: &Path) -> Vec<(u64, PathBuf)> {
     v
 }
 
-/// Every rank learns whether any rank failed; the failing rank keeps its own message.
-fn agree<T>(world: &Group, local: Result<T, String>) -> Result<T, String> {
-    let mut flag = [local.is_err() as u64];
-    world.agree_max_u64(&mut flag);
-    match local {
-        Ok(_) if flag[0] != 0 => Err("another rank failed while writing the checkpoint (its message says why)".into()),
-        other => other,
-    }
-}
-
 /// What a write cost.
 #[derive(Clone, Debug)]
 pub struct SaveReport {
@@ -174,7 +164,7 @@ pub fn save(
     let name = file_name(meta.step);
     let final_path = dir.join(&name);
     let tmp = dir.join(format!("{name}.tmp"));
-    agree(world, if rank0 { std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display())) } else { Ok(()) })?;
+    world.agree(if rank0 { std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display())) } else { Ok(()) })?;
 
     // Each tensor's checksum: the primary blocks' parts, summed over the world.
     let n = blocks.len();
@@ -188,7 +178,7 @@ pub fn save(
     }
     world.all_reduce_wrapping_sum_u64(&mut sums);
 
-    let file = agree(world, H5File::create_parallel(&tmp, world.raw()).map_err(|e| e.to_string()))?;
+    let file = world.agree(H5File::create_parallel(&tmp, world.raw()).map_err(|e| e.to_string()))?;
     // From here every rank makes the same collective calls whatever fails locally, and the
     // outcome is agreed at the end (a rank that returned early would leave the others waiting).
     let mut first_err: Option<String> = None;
@@ -201,6 +191,10 @@ pub fn save(
         note(file.create_group(g).map_err(|e| e.to_string()));
     }
     let abort_at = crate::debug::abort_during_checkpoint();
+    let io_error = crate::debug::fault(crate::debug::CHECKPOINT_WRITE_ERROR_ENV).unwrap_or(None);
+    if crate::debug::fires(&io_error, world.rank(), meta.step) {
+        note(Err(format!("rank {}: injected write error ({})", world.rank(), crate::debug::CHECKPOINT_WRITE_ERROR_ENV)));
+    }
     let mut collective = true;
     let mut bytes = 0u64;
     for (k, kind) in KINDS.iter().enumerate() {
@@ -215,6 +209,7 @@ pub fn save(
                 crate::comm::abort(crate::cli::EXIT_RUN_FAILED);
             }
             bytes += 4 * b.global_shape.iter().product::<usize>() as u64;
+            crate::watchdog::beat(|| format!("writing checkpoint step {}: {kind}/{}", meta.step, b.name));
             let path = format!("{kind}/{}", b.name);
             match file.create_f32(&path, &b.global_shape) {
                 Ok(ds) => {
@@ -234,7 +229,7 @@ pub fn save(
     note(file.close().map_err(|e| e.to_string()));
     let mut all_collective = [(!collective) as u64];
     world.agree_max_u64(&mut all_collective);
-    let written = agree(world, first_err.map_or(Ok(()), Err));
+    let written = world.agree(first_err.map_or(Ok(()), Err));
     if let Err(e) = written {
         if rank0 {
             let _ = std::fs::remove_file(&tmp);
@@ -242,7 +237,7 @@ pub fn save(
         return Err(format!("writing checkpoint {}: {e} (the previous checkpoint is untouched)", final_path.display()));
     }
     // Complete on every rank: publish it, then point `latest` at it, then prune.
-    agree(world, if rank0 { publish(dir, &tmp, &final_path, keep, meta.step) } else { Ok(()) })?;
+    world.agree(if rank0 { publish(dir, &tmp, &final_path, keep, meta.step) } else { Ok(()) })?;
     Ok(SaveReport { path: final_path, bytes, seconds: start.elapsed().as_secs_f64(), collective: all_collective[0] == 0 })
 }
 

@@ -60,11 +60,14 @@ pub struct RunCfg {
     pub steps: u64,
     /// Compute threads per rank; 0 means the node's cores divided by the ranks on the node.
     pub threads: usize,
+    /// End the job when a rank's training loop makes no progress for this long (seconds;
+    /// 0 disables the watchdog).
+    pub watchdog_seconds: f64,
 }
 
 impl Default for RunCfg {
     fn default() -> Self {
-        RunCfg { name: "run".into(), out_dir: String::new(), seed: 1234, steps: 100, threads: 0 }
+        RunCfg { name: "run".into(), out_dir: String::new(), seed: 1234, steps: 100, threads: 0, watchdog_seconds: 1800.0 }
     }
 }
 
@@ -217,6 +220,18 @@ pub struct OptimCfg {
     pub lr_scaling: LrScaling,
     /// Reference global batch (sequences) for `lr_scaling`; `lr` is the rate at this batch.
     pub base_batch: usize,
+    /// What a step whose loss or gradient norm is NaN or infinite does.
+    pub on_nonfinite: OnNonFinite,
+}
+
+/// `[optim] on_nonfinite`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    /// Stop the run, naming the step, the rank and the first offending tensor.
+    Abort,
+    /// Leave the parameters and the optimiser state as they are for this step and go on.
+    Skip,
 }
 
 impl Default for OptimCfg {
@@ -233,6 +248,7 @@ impl Default for OptimCfg {
             grad_clip: 1.0,
             lr_scaling: LrScaling::None,
             base_batch: 0,
+            on_nonfinite: OnNonFinite::Abort,
         }
     }
 }

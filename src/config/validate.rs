@@ -213,6 +213,7 @@ impl Deck {
             return Err(err(format!("[run] name {name:?} is not safe as a folder name: {why}; use letters, digits, '.', '_', '-' or '+'"))
                 .with_hint(format!("name = \"{fixed}\"")));
         }
+        non_negative_finite("run", "watchdog_seconds", self.run.watchdog_seconds)?;
         at_least_one("run", "steps", self.run.steps)
     }
 

@@ -1,0 +1,243 @@
+//! Faults in a real job (issue 11): a rank that errors, a rank killed with SIGKILL, a rank that
+//! hangs, a NaN in a gradient, a checkpoint write that fails. Every fault is injected by a
+//! documented debug option (`docs/debugging.md`) or by the test itself, into the real binary
+//! under `mpirun` with four ranks.
+
+mod common;
+
+use common::*;
+use ndtrain::checkpoint::tools;
+use ndtrain::debug;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Four ranks, FSDP=2 × TP=2, a checkpoint every 2 steps.
+const LAYOUT: &[&str] =
+    &["run.threads=1", "parallel.dp_shard=2", "parallel.tp=2", "optim.warmup_steps=1", "checkpoint.every=2", "log.every=1"];
+
+/// `mpirun -n 4 ndtrain train tiny.toml` with `LAYOUT`, `sets` and the debug variables `env`.
+fn job(out: &Path, sets: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new("mpirun");
+    mpi_env(&mut cmd).args(["--oversubscribe", "-n", "4", bin(), "train"]).arg(tiny_deck());
+    cmd.arg("--set").arg(format!("run.out_dir=\"{}\"", out.display()));
+    for s in LAYOUT.iter().chain(sets) {
+        cmd.args(["--set", s]);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+fn spawn(mut cmd: Command) -> Child {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("mpirun starts")
+}
+
+/// Rows of `<out>/metrics.csv` so far (steps finished).
+fn steps_done(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.csv")).map(|s| s.lines().count().saturating_sub(1)).unwrap_or(0)
+}
+
+fn wait_for_steps(out: &Path, n: usize, child: &mut Child) {
+    let start = Instant::now();
+    while steps_done(out) < n {
+        assert!(child.try_wait().unwrap().is_none(), "the job ended before step {n}");
+        assert!(start.elapsed() < Duration::from_secs(120), "the job never logged {n} steps");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for `child` to end, at most `secs`; returns its output and how long it took.
+fn wait_within(mut child: Child, secs: u64) -> (std::process::Output, Duration) {
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(secs) {
+            let _ = child.kill();
+            let o = child.wait_with_output().unwrap();
+            panic!("the job was still running {secs} s later\n{}", text(&o));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let took = start.elapsed();
+    (child.wait_with_output().unwrap(), took)
+}
+
+/// The process ids whose parent is `parent` (the ranks `mpirun` started).
+fn children(parent: u32) -> Vec<i32> {
+    let mut out = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        if after.split(' ').nth(1).and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn alive(pid: i32) -> bool {
+    // A zombie has exited; only its parent has not collected it yet.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s[s.rfind(')').unwrap() + 2..].starts_with('Z'))
+}
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+fn ckpt(out: &Path, step: u64) -> PathBuf {
+    out.join("ckpt").join(format!("step_{step:08}.h5"))
+}
+
+/// Every dataset of two checkpoints has the same bits.
+fn assert_bitwise_equal(a: &Path, b: &Path) {
+    let names = tools::dataset_paths(a).unwrap();
+    assert_eq!(names, tools::dataset_paths(b).unwrap());
+    for n in &names {
+        let (xa, xb) = (tools::read_tensor(a, n).unwrap().1, tools::read_tensor(b, n).unwrap().1);
+        assert!(xa.iter().zip(&xb).all(|(x, y)| x.to_bits() == y.to_bits()), "{n} differs between {} and {}", a.display(), b.display());
+    }
+}
+
+/// Acceptance 1: one rank of four returns an error at step 3: the job ends within 10 s of that
+/// step, every rank is gone, and the one message names the rank and the cause.
+#[test]
+fn one_rank_failing_ends_every_rank_within_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let delay = (debug::STEP_DELAY_ENV, "300");
+    let mut child = spawn(job(&out, &["run.steps=50"], &[(debug::FAIL_ENV, "step=3,rank=2"), delay]));
+    let ranks = {
+        wait_for_steps(&out, 1, &mut child);
+        children(child.id())
+    };
+    assert_eq!(ranks.len(), 4, "mpirun's children: {ranks:?}");
+    wait_for_steps(&out, 2, &mut child);
+    let (o, took) = wait_within(child, 30);
+    assert!(took < Duration::from_secs(10), "the job took {took:?} to end after step 2\n{}", text(&o));
+    assert!(!o.status.success(), "{}", text(&o));
+    let err = stderr(&o);
+    assert!(err.contains("error: rank 2: injected failure (NDTRAIN_DEBUG_FAIL) at step 3"), "{}", text(&o));
+    assert_eq!(err.matches("error:").count(), 1, "one message\n{}", text(&o));
+    assert!(!err.contains("panicked"), "{}", text(&o));
+    assert!(ranks.iter().all(|&p| !alive(p)), "every rank has exited");
+    assert_eq!(steps_done(&out), 2);
+}
+
+/// Acceptance 2: one rank killed with SIGKILL mid-step: the launcher ends the job within 30 s;
+/// `resume = "auto"` continues from the last checkpoint and reproduces the uninterrupted run's
+/// losses and final state bit for bit.
+#[test]
+fn a_killed_rank_ends_the_job_and_the_resume_is_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let sets = ["run.steps=12"];
+    let straight = d.join("straight");
+    let o = job(&straight, &sets, &[]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+
+    let out = d.join("killed");
+    let mut child = spawn(job(&out, &sets, &[(debug::STEP_DELAY_ENV, "250")]));
+    wait_for_steps(&out, 5, &mut child);
+    let ranks = children(child.id());
+    assert_eq!(ranks.len(), 4, "mpirun's children: {ranks:?}");
+    assert!(Command::new("kill").args(["-KILL", &ranks[1].to_string()]).status().unwrap().success());
+    let (o, took) = wait_within(child, 60);
+    assert!(took < Duration::from_secs(30), "the launcher took {took:?} to end the job\n{}", text(&o));
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(ranks.iter().all(|&p| !alive(p)), "every rank has exited");
+    let killed_at = steps_done(&out);
+    assert!((5..12).contains(&killed_at), "killed after step {killed_at}");
+
+    let o = job(&out, &[sets[0], "checkpoint.resume=\"auto\""], &[]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("resumed from"), "{}", text(&o));
+    assert_eq!(losses(&out).0, losses(&straight).0, "losses of the killed-and-resumed run");
+    assert_bitwise_equal(&ckpt(&straight, 12), &ckpt(&out, 12));
+}
+
+/// The watchdog: a rank that stops making progress (stuck in I/O) ends the job with a message
+/// naming the rank and where it stalled, instead of holding the allocation until its limit.
+#[test]
+fn the_watchdog_ends_a_job_with_a_hung_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let child = spawn(job(&out, &["run.steps=20", "run.watchdog_seconds=2"], &[(debug::HANG_ENV, "step=3,rank=1")]));
+    let (o, took) = wait_within(child, 60);
+    assert!(took < Duration::from_secs(30), "took {took:?}\n{}", text(&o));
+    assert!(!o.status.success(), "{}", text(&o));
+    let err = stderr(&o);
+    assert!(err.contains("error: rank 1: watchdog: no progress for") && err.contains("since: step 3"), "{}", text(&o));
+    assert!(err.contains("watchdog_seconds = 2"), "{}", text(&o));
+    assert_eq!(steps_done(&out), 2);
+}
+
+/// Acceptance 4: a NaN injected into one rank's gradient of one tensor at step 3. `skip` skips
+/// exactly that update (the AdamW step count is one behind, the losses up to step 3 are the
+/// clean run's) and training goes on; `abort` ends the run with one message naming the step,
+/// the rank and the tensor.
+#[test]
+fn a_nan_gradient_is_skipped_or_stops_the_run_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tensor = "model.layers.1.self_attn.k_proj.weight";
+    let nan = format!("step=3,rank=3,tensor={tensor}");
+    let clean = d.join("clean");
+    let o = job(&clean, &["run.steps=6"], &[]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+
+    let skip = d.join("skip");
+    let o = job(&skip, &["run.steps=6", "optim.on_nonfinite=\"skip\""], &[(debug::NAN_GRAD_ENV, &nan)]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("step 3: loss") && text(&o).contains("update skipped"), "{}", text(&o));
+    assert!(text(&o).contains("1 step(s) skipped"), "{}", text(&o));
+    let (got, want) = (losses(&skip).0, losses(&clean).0);
+    assert_eq!(got.len(), 6, "training went on to the end");
+    assert_eq!(got[..3], want[..3], "the NaN arrives after step 3's loss");
+    assert_ne!(got[3], want[3], "step 4 starts from the parameters of step 2");
+    let norms = column(&skip, "grad_norm");
+    assert!(norms[2].is_nan() && norms.iter().enumerate().all(|(i, x)| i == 2 || x.is_finite()), "{norms:?}");
+    let meta = |out: &Path| ndtrain::checkpoint::Reader::open_serial(&ckpt(out, 6)).unwrap().meta;
+    assert_eq!((meta(&skip).step, meta(&skip).optim_step), (6, 5), "exactly one update skipped");
+    assert_eq!(meta(&clean).optim_step, 6);
+
+    let abort = d.join("abort");
+    let (o, _) = wait_within(spawn(job(&abort, &["run.steps=6"], &[(debug::NAN_GRAD_ENV, &nan)])), 60);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = stderr(&o);
+    assert_eq!(err.matches("error:").count(), 1, "reported once\n{}", text(&o));
+    assert!(err.contains("error: rank 3: step 3:") && err.contains("gradient norm NaN") && err.contains(tensor), "{}", text(&o));
+    assert_eq!(steps_done(&abort), 2, "step 3 is not logged as done");
+}
+
+/// The documented policy for a checkpoint that cannot be written (a full disk, an I/O error
+/// on any rank): the run stops with exit code 1 and one message; the temporary file is gone,
+/// the previous checkpoint and `latest` are intact, and `resume = "auto"` continues from them
+/// to the clean run's result.
+#[test]
+fn a_failed_checkpoint_write_keeps_the_previous_one_and_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let clean = d.join("clean");
+    let o = job(&clean, &["run.steps=6"], &[]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+
+    let out = d.join("full_disk");
+    let (o, _) = wait_within(spawn(job(&out, &["run.steps=6"], &[(debug::CHECKPOINT_WRITE_ERROR_ENV, "step=4,rank=2")])), 60);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let err = stderr(&o);
+    assert_eq!(err.matches("error:").count(), 1, "reported once\n{}", text(&o));
+    assert!(err.contains("injected write error") && err.contains("previous checkpoint is untouched"), "{}", text(&o));
+    let mut files: Vec<String> =
+        std::fs::read_dir(out.join("ckpt")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
+    files.sort();
+    assert_eq!(files, ["latest", "step_00000002.h5"], "no temporary file, the previous checkpoint kept");
+    assert_eq!(std::fs::read_to_string(out.join("ckpt/latest")).unwrap().trim(), "step_00000002.h5");
+    tools::verify(&ckpt(&out, 2)).unwrap();
+
+    let o = job(&out, &["run.steps=6", "checkpoint.resume=\"auto\""], &[]).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(losses(&out).0, losses(&clean).0);
+    assert_bitwise_equal(&ckpt(&clean, 6), &ckpt(&out, 6));
+}
