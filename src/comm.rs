@@ -131,12 +131,25 @@ pub struct Group {
     counts: RefCell<BTreeMap<&'static str, CommCount>>,
     /// Ring exchanges in flight, by slot (at most a few at a time).
     ring: RefCell<BTreeMap<usize, Pending>>,
+    /// Buffers of finished ring exchanges, reused by the next ones (no allocation per shift).
+    ring_spare: RefCell<Vec<Vec<f32>>>,
+    /// The send side of blocking in-place all-reduces (grows to the largest, then reused).
+    reduce_scratch: RefCell<Vec<u64>>,
 }
 
 impl Group {
     fn new(name: &'static str, comm: SimpleCommunicator) -> Group {
         let (rank, size) = (comm.rank() as usize, comm.size() as usize);
-        Group { name, comm, rank, size, counts: RefCell::new(BTreeMap::new()), ring: RefCell::new(BTreeMap::new()) }
+        Group {
+            name,
+            comm,
+            rank,
+            size,
+            counts: RefCell::new(BTreeMap::new()),
+            ring: RefCell::new(BTreeMap::new()),
+            ring_spare: RefCell::new(vec![]),
+            reduce_scratch: RefCell::new(vec![]),
+        }
     }
 
     pub fn name(&self) -> &'static str {
@@ -183,7 +196,18 @@ impl Group {
             return;
         }
         let start = Instant::now();
-        let send = buf.to_vec();
+        // rsmpi has no MPI_IN_PLACE (its value differs between MPIs): the input goes through a
+        // scratch buffer the group keeps, so a per-step collective never allocates.
+        assert!(std::mem::align_of::<T>() <= std::mem::align_of::<u64>(), "all_reduce: element alignment above 8");
+        let mut scratch = self.reduce_scratch.borrow_mut();
+        let words = std::mem::size_of_val(buf).div_ceil(8);
+        if scratch.len() < words {
+            scratch.resize(words, 0);
+        }
+        // SAFETY: the scratch holds at least size_of_val(buf) bytes, aligned for u64 and so for
+        // T (asserted), and every element is written by copy_from_slice before it is read.
+        let send = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut T, buf.len()) };
+        send.copy_from_slice(buf);
         self.comm.all_reduce_into(&send[..], buf, op);
         self.record("all_reduce", std::mem::size_of_val(buf), start);
     }
@@ -313,7 +337,15 @@ impl Group {
     /// caller computes on `data` meanwhile. [`Group::finish_ring_shift_f32`] completes it.
     pub fn start_ring_shift_f32(&self, slot: usize, data: &[f32]) {
         let bytes = std::mem::size_of_val(data);
-        let mut p = Pending::new("ring", bytes, data.to_vec(), vec![0.0; data.len()]);
+        let buffer = || {
+            let mut v = self.ring_spare.borrow_mut().pop().unwrap_or_default();
+            v.clear();
+            v.resize(data.len(), 0.0);
+            v
+        };
+        let mut send = buffer();
+        send.copy_from_slice(data);
+        let mut p = Pending::new("ring", bytes, send, buffer());
         if self.size > 1 {
             let next = ((self.rank + 1) % self.size) as i32;
             let prev = ((self.rank + self.size - 1) % self.size) as i32;
@@ -351,8 +383,9 @@ impl Group {
     /// time blocked here (the exposed part) and the bytes sent.
     pub fn finish_ring_shift_f32(&self, slot: usize, out: &mut [f32]) {
         let p = self.ring.borrow_mut().remove(&slot).expect("finish_ring_shift_f32 after start_ring_shift_f32");
-        let (_, recv) = self.wait(p);
+        let (send, recv) = self.wait(p);
         out.copy_from_slice(&recv);
+        self.ring_spare.borrow_mut().extend([send, recv]);
     }
 
     /// Minimum and maximum of one value across the group (for run summaries).

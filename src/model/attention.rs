@@ -82,11 +82,13 @@ pub fn attention_fwd<T: Real>(o: &mut [T], lse: &mut [T], q: &[T], k: &[T], v: &
     let rep = h / kv;
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     let k_sorted = k_pos.windows(2).all(|w| w[0] <= w[1]);
-    o.par_chunks_mut(rep * sq * hd).zip(lse.par_chunks_mut(rep * sq)).enumerate().for_each(|(bg, (o_g, lse_g))| {
+    // The score scratch `[QB, Sk]` is allocated once per rayon job, not per (batch, kv head).
+    let scratch = || vec![T::ZERO; QB * sk];
+    let tasks = o.par_chunks_mut(rep * sq * hd).zip(lse.par_chunks_mut(rep * sq)).enumerate();
+    tasks.for_each_init(scratch, |scores, (bg, (o_g, lse_g))| {
         let kg = &k[bg * sk * hd..][..sk * hd]; // [Sk, hd]
         let vg = &v[bg * sk * hd..][..sk * hd]; // [Sk, hd]
         let qg = &q[bg * rep * sq * hd..][..rep * sq * hd]; // [rep, Sq, hd]
-        let mut scores = vec![T::ZERO; QB * sk]; // [QB, Sk]
         for j in 0..rep {
             for i0 in (0..sq).step_by(QB) {
                 let qb = QB.min(sq - i0);
@@ -134,15 +136,16 @@ pub fn attention_bwd<T: Real>(
     let rep = h / kv;
     let scale = T::from_f64(1.0 / (hd as f64).sqrt());
     let k_sorted = k_pos.windows(2).all(|w| w[0] <= w[1]);
-    dq.par_chunks_mut(rep * sq * hd).zip(dk.par_chunks_mut(sk * hd)).zip(dv.par_chunks_mut(sk * hd)).enumerate().for_each(
-        |(bg, ((dq_g, dk_g), dv_g))| {
+    // P and dP scratch `[QB, Sk]` each, allocated once per rayon job.
+    let scratch = || (vec![T::ZERO; QB * sk], vec![T::ZERO; QB * sk]);
+    dq.par_chunks_mut(rep * sq * hd).zip(dk.par_chunks_mut(sk * hd)).zip(dv.par_chunks_mut(sk * hd)).enumerate().for_each_init(
+        scratch,
+        |(p, dp), (bg, ((dq_g, dk_g), dv_g))| {
             dk_g.iter_mut().for_each(|x| *x = T::ZERO);
             dv_g.iter_mut().for_each(|x| *x = T::ZERO);
             let kg = &k[bg * sk * hd..][..sk * hd];
             let vg = &v[bg * sk * hd..][..sk * hd];
             let base = bg * rep * sq;
-            let mut p = vec![T::ZERO; QB * sk];
-            let mut dp = vec![T::ZERO; QB * sk];
             for j in 0..rep {
                 for i0 in (0..sq).step_by(QB) {
                     let qb = QB.min(sq - i0);
