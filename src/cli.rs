@@ -84,6 +84,10 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Check this rank's GPU against the CPU: cuBLAS, every NVRTC kernel, and an NCCL
+    /// all-reduce over the job (run it under mpirun/srun with one rank per GPU). Needs a build
+    /// with `--features cuda`.
+    GpuCheck,
     /// Inspect, verify or convert a checkpoint (one process, no MPI job needed).
     Ckpt {
         #[command(subcommand)]
@@ -146,6 +150,7 @@ pub fn main() -> i32 {
         Cmd::Train { deck, set } => run_train(deck, set),
         Cmd::Plan { deck, ranks, ranks_per_node, all_layouts, set } => run_plan(deck, ranks, ranks_per_node, all_layouts, set),
         Cmd::Probe { threads } => run_probe(threads),
+        Cmd::GpuCheck => run_gpu_check(),
         Cmd::Ckpt { cmd } => run_ckpt(cmd),
         Cmd::Sweep { study, out } => match crate::sweep::run(&study, out.as_deref()) {
             Ok(points) => {
@@ -277,6 +282,70 @@ cost model: {:.3} s compute + {:.3} s communication = {:.3} s per step, {:.0} to
 
 fn plan_bytes(b: usize) -> String {
     crate::metrics::fmt_bytes(b as f64)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_gpu_check() -> i32 {
+    report_error(&"this ndtrain was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`");
+    EXIT_BAD_INPUT
+}
+
+/// Every rank opens the GPU of its node-local rank and checks it; rank 0 prints each rank's
+/// lines in order. Exit 0 only if every check on every rank passed.
+#[cfg(feature = "cuda")]
+fn run_gpu_check() -> i32 {
+    let rt = Runtime::init();
+    let world = rt.world();
+    let node = world.split_shared();
+    let local: Result<Vec<String>, String> = crate::gpu::Gpu::open(node.rank()).and_then(|gpu| {
+        let mut lines = vec![format!(
+            "rank {} (node rank {}): GPU {} {} (sm_{}{})",
+            world.rank(),
+            node.rank(),
+            gpu.ordinal,
+            gpu.name,
+            gpu.cc.0,
+            gpu.cc.1
+        )];
+        let mut checks = crate::gpu::check_kernels(&gpu)?;
+        checks.push(crate::gpu::check_nccl(&gpu, &world)?);
+        let mut failed = 0;
+        for c in &checks {
+            failed += !c.ok() as usize;
+            let verdict = if c.ok() { "ok" } else { "FAILED" };
+            lines.push(format!("  {:<46} relative error {:.2e} (tolerance {:.0e})  {verdict}", c.what, c.rel_err, c.tol));
+        }
+        if failed > 0 {
+            return Err(format!("{failed} GPU check(s) failed:\n{}", lines.join("\n")));
+        }
+        Ok(lines)
+    });
+    let outcome = world.agree(local.map(|l| l.join("\n")));
+    let mut text = outcome.as_ref().map(|t| t.clone().into_bytes()).unwrap_or_default();
+    let mut all = vec![];
+    for r in 0..world.size() {
+        let mut mine = if r == world.rank() { text.clone() } else { vec![] };
+        world.broadcast_bytes(r, &mut mine);
+        all.push(String::from_utf8_lossy(&mine).to_string());
+    }
+    text.clear();
+    let code = match &outcome {
+        Ok(_) => {
+            if world.rank() == 0 {
+                println!("{}\nevery GPU check passed on {} rank(s)", all.join("\n"), world.size());
+            }
+            0
+        }
+        Err(e) => {
+            if world.rank() == 0 {
+                report_error(e);
+            }
+            EXIT_RUN_FAILED
+        }
+    };
+    drop(node);
+    drop(world);
+    rt.finalize_and_exit(code)
 }
 
 fn run_probe(threads: usize) -> i32 {

@@ -435,16 +435,21 @@ impl Group {
             Err(e) if self.rank == root => e.clone().into_bytes(),
             _ => vec![],
         };
-        if self.size > 1 {
-            let proc = self.comm.process_at_rank(root as i32);
-            let mut len = [text.len() as u64];
-            proc.broadcast_into(&mut len[..]);
-            text.resize(len[0] as usize, 0);
-            proc.broadcast_into(&mut text[..]);
-        }
+        self.broadcast_bytes(root, &mut text);
         let text = String::from_utf8_lossy(&text);
         // A message that already names its rank is passed on as it is.
         Err(if text.starts_with("rank ") { text.into_owned() } else { format!("rank {root}: {text}") })
+    }
+
+    /// `root`'s bytes on every rank (`data` is resized to them).
+    pub fn broadcast_bytes(&self, root: usize, data: &mut Vec<u8>) {
+        if self.size > 1 {
+            let proc = self.comm.process_at_rank(root as i32);
+            let mut len = [data.len() as u64];
+            proc.broadcast_into(&mut len[..]);
+            data.resize(len[0] as usize, 0);
+            proc.broadcast_into(&mut data[..]);
+        }
     }
 
     /// The MPI communicator, for libraries that take one (parallel HDF5's MPI-IO driver).

@@ -10,6 +10,8 @@ pub mod cp;
 pub mod data;
 pub mod debug;
 pub mod fsdp;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod hdf5io;
 pub mod hf;
 pub mod mesh;

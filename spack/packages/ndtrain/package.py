@@ -38,12 +38,6 @@ class Ndtrain(CargoPackage):
     depends_on("cuda", when="+cuda")
     depends_on("nccl", when="+cuda")
 
-    conflicts(
-        "+cuda",
-        when="@main",
-        msg="the Cargo feature `cuda` is not in ndtrain's main branch yet (issue 10)",
-    )
-
     @property
     def build_args(self):
         args = ["-j", str(make_jobs), "--locked"]
@@ -62,6 +56,12 @@ class Ndtrain(CargoPackage):
         env.set("RUSTFLAGS", "-C target-cpu=native" if spec.satisfies("+native") else "")
         if spec.satisfies("+cuda"):
             env.set("CUDA_ROOT", spec["cuda"].prefix)
+
+    def setup_run_environment(self, env):
+        # cudarc opens the CUDA libraries at run time (dynamic loading): put them on the path.
+        if self.spec.satisfies("+cuda"):
+            env.prepend_path("LD_LIBRARY_PATH", self.spec["cuda"].prefix.lib64)
+            env.prepend_path("LD_LIBRARY_PATH", self.spec["nccl"].prefix.lib)
 
     @run_after("install")
     def install_data(self):
