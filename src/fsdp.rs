@@ -371,28 +371,33 @@ impl<'g> FsdpParams<'g> {
 
     /// This rank's shard of every tensor, in slot order (what a checkpoint saves).
     pub fn slots(&self) -> Vec<&[f32]> {
-        let mut out = vec![];
-        for (unit, shard) in self.plan.units.iter().zip(&self.shards) {
-            for t in &unit.tensors {
-                out.push(&shard[t.offset..][..t.shard_len()]);
-            }
-        }
-        out
+        slots(&self.plan, &self.shards)
     }
 
     /// AdamW over this rank's shards.
     pub fn slots_mut(&mut self) -> Vec<&mut [f32]> {
-        let mut out = vec![];
-        for (unit, shard) in self.plan.units.iter().zip(self.shards.iter_mut()) {
-            let mut rest: &mut [f32] = shard;
-            for t in &unit.tensors {
-                let (a, b) = rest.split_at_mut(t.shard_len());
-                out.push(a);
-                rest = b;
-            }
-        }
-        out
+        slots_mut(&self.plan, &mut self.shards)
     }
+}
+
+/// The shard of every tensor in `shards` (`[unit][shard_len]`), in slot order.
+fn slots<'a>(plan: &ShardPlan, shards: &'a [Vec<f32>]) -> Vec<&'a [f32]> {
+    let tensors = plan.units.iter().zip(shards).flat_map(|(unit, shard)| unit.tensors.iter().map(move |t| (t, shard)));
+    tensors.map(|(t, shard)| &shard[t.offset..][..t.shard_len()]).collect()
+}
+
+/// [`slots`], writable (each unit's tensors lie one after another from offset 0).
+fn slots_mut<'a>(plan: &ShardPlan, shards: &'a mut [Vec<f32>]) -> Vec<&'a mut [f32]> {
+    let mut out = vec![];
+    for (unit, shard) in plan.units.iter().zip(shards.iter_mut()) {
+        let mut rest: &mut [f32] = shard;
+        for t in &unit.tensors {
+            let (a, b) = rest.split_at_mut(t.shard_len());
+            out.push(a);
+            rest = b;
+        }
+    }
+    out
 }
 
 impl WeightSource<f32> for FsdpParams<'_> {
@@ -588,26 +593,11 @@ impl<'g> FsdpGrads<'g> {
     }
 
     pub fn slots(&self) -> Vec<&[f32]> {
-        let mut out = vec![];
-        for (unit, shard) in self.plan.units.iter().zip(self.shards.iter()) {
-            for t in &unit.tensors {
-                out.push(&shard[t.offset..][..t.shard_len()]);
-            }
-        }
-        out
+        slots(&self.plan, &self.shards)
     }
 
     pub fn slots_mut(&mut self) -> Vec<&mut [f32]> {
-        let mut out = vec![];
-        for (unit, shard) in self.plan.units.iter().zip(self.shards.iter_mut()) {
-            let mut rest: &mut [f32] = shard;
-            for t in &unit.tensors {
-                let (a, b) = rest.split_at_mut(t.shard_len());
-                out.push(a);
-                rest = b;
-            }
-        }
-        out
+        slots_mut(&self.plan, &mut self.shards)
     }
 }
 

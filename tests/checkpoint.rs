@@ -254,21 +254,6 @@ fn a_corrupted_checkpoint_is_detected_and_skipped() {
     assert_eq!(losses(&d.join("run")).0, straight, "steps 3-4 retrained from step 2");
 }
 
-/// The process ids whose parent is `parent` (the ranks `mpirun` started).
-fn children(parent: u32) -> Vec<i32> {
-    let mut out = vec![];
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-        // Fields after the command name, which is in parentheses: state, ppid, ...
-        let after = &stat[stat.rfind(')').unwrap() + 2..];
-        if after.split(' ').nth(1).and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
-            out.push(pid);
-        }
-    }
-    out
-}
-
 /// Acceptance 7: SIGTERM to every rank (what Slurm does at a time limit) mid-run: a checkpoint
 /// at the next step boundary, exit code 75, and `resume = "auto"` finishes the run bitwise
 /// like one that was never stopped.

@@ -63,20 +63,6 @@ fn wait_within(mut child: Child, secs: u64) -> (std::process::Output, Duration) 
     (child.wait_with_output().unwrap(), took)
 }
 
-/// The process ids whose parent is `parent` (the ranks `mpirun` started).
-fn children(parent: u32) -> Vec<i32> {
-    let mut out = vec![];
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-        let after = &stat[stat.rfind(')').unwrap() + 2..];
-        if after.split(' ').nth(1).and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
-            out.push(pid);
-        }
-    }
-    out
-}
-
 fn alive(pid: i32) -> bool {
     // A zombie has exited; only its parent has not collected it yet.
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s[s.rfind(')').unwrap() + 2..].starts_with('Z'))

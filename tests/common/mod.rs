@@ -187,3 +187,18 @@ pub fn assert_layouts_match(dir: &Path, base: &RunResult, layouts: &[(&str, usiz
         assert_equivalent(name, base, &other);
     }
 }
+
+/// The process ids whose parent is `parent` (the ranks `mpirun` started).
+pub fn children(parent: u32) -> Vec<i32> {
+    let mut out = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        // Fields after the command name, which is in parentheses: state, ppid, ...
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        if after.split(' ').nth(1).and_then(|p| p.parse::<u32>().ok()) == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out
+}
