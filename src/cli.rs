@@ -441,8 +441,11 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
 }
 
 /// Prints `error: MESSAGE` as one write, so the lines of several ranks never interleave.
+/// Control characters a message may carry from its input (a NUL in a path) are escaped.
 fn report_error(e: &dyn std::fmt::Display) {
     use std::io::Write;
-    let line = format!("error: {e}\n");
+    let text: String =
+        e.to_string().chars().map(|c| if c.is_control() && c != '\n' { c.escape_default().to_string() } else { c.to_string() }).collect();
+    let line = format!("error: {text}\n");
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }

@@ -632,7 +632,7 @@ fn save_checkpoint(
     // Every failure of `save` is agreed on every rank; the run ends (the documented policy: the
     // previous checkpoint and `latest` are untouched, `resume = "auto"` continues from them).
     let report = ckpt::save(dir, deck.checkpoint.keep, &meta, blocks, [&p, &m, &v], &mesh.world).map_err(|e| AgreedFailure {
-        message: (mesh.world.rank() == 0).then(|| format!("rank 0: {e}; the run stops here (checkpoint write failures end the run)")),
+        message: (mesh.world.rank() == 0).then(|| format!("{e}; the run stops here (checkpoint write failures end the run)")),
     })?;
     let seconds = mesh.world.min_max_sum_f64(report.seconds).1;
     let peak = mesh.world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;

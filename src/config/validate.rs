@@ -378,7 +378,9 @@ impl Deck {
         let tp = l.tp;
         let divisors = || {
             let g = gcd(gcd(m.n_heads, m.n_kv_heads), m.ffn_hidden);
-            let ds: Vec<String> = (1..=g).filter(|d| g % d == 0).take(12).map(|d| d.to_string()).collect();
+            // The first few divisors, searched among the degrees a job could have (a huge prime
+            // head count must not make the hint take forever).
+            let ds: Vec<String> = (1..=g.min(1 << 16)).filter(|d| g % d == 0).take(12).map(|d| d.to_string()).collect();
             format!(
                 "tp must divide n_heads({}), n_kv_heads({}) and ffn_hidden({}): use tp in {{{}}}",
                 m.n_heads,

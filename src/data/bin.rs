@@ -37,6 +37,9 @@ struct Shard {
 
 impl Shard {
     fn open(path: &Path) -> Result<Shard, DataError> {
+        if path.is_dir() {
+            return Err(DataError(format!("{} is a directory, not an llm.c .bin token file", path.display())));
+        }
         let file = File::open(path).map_err(|e| DataError(format!("cannot open {}: {e}", path.display())))?;
         // SAFETY: the mapping is only read. A token file is input that nothing rewrites during a
         // run; if another process truncated it anyway, reads would fault (SIGBUS) rather than

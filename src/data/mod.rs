@@ -151,7 +151,9 @@ impl Loader {
         if dp_rank >= dp {
             return Err(DataError(format!("data loader: dp_rank {dp_rank} is not below dp {dp}")));
         }
-        let per_micro = micro_batch * dp;
+        let per_micro = micro_batch
+            .checked_mul(dp)
+            .ok_or_else(|| DataError(format!("data loader: micro_batch({micro_batch}) × dp({dp}) overflows {} bits", usize::BITS)))?;
         if global_batch % per_micro != 0 {
             return Err(DataError(format!(
                 "[train] global_batch({global_batch}) is not a multiple of micro_batch({micro_batch}) × dp({dp}) = {per_micro}"
