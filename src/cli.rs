@@ -307,13 +307,13 @@ fn run_gpu_check() -> i32 {
             gpu.cc.0,
             gpu.cc.1
         )];
-        let mut checks = crate::gpu::check_kernels(&gpu)?;
-        checks.push(crate::gpu::check_nccl(&gpu, &world)?);
+        let mut checks = crate::gpu::check::check_kernels(&gpu)?;
+        checks.push(crate::gpu::check::check_nccl(&gpu, &world)?);
         let mut failed = 0;
         for c in &checks {
             failed += !c.ok() as usize;
             let verdict = if c.ok() { "ok" } else { "FAILED" };
-            lines.push(format!("  {:<46} relative error {:.2e} (tolerance {:.0e})  {verdict}", c.what, c.rel_err, c.tol));
+            lines.push(format!("  {:<64} relative error {:.2e} (tolerance {:.0e})  {verdict}", c.what, c.rel_err, c.tol));
         }
         if failed > 0 {
             return Err(format!("{failed} GPU check(s) failed:\n{}", lines.join("\n")));

@@ -1,0 +1,345 @@
+// The decoder's kernels for NVIDIA GPUs, compiled once at start by NVRTC for the device's
+// architecture (src/gpu/mod.rs). Each mirrors a CPU kernel of src/model/kernels.rs,
+// src/model/attention.rs or src/optim.rs, which is the reference `ndtrain gpu-check` compares
+// against; the comments name it. fp32 throughout except the bf16 conversions: bf16 is stored
+// as `unsigned short` (its bit pattern), so no CUDA header is needed.
+//
+// Layouts are the CPU's: row-major, token-major activations [N = B·S, D], head-major
+// attention tensors q [B, H, Sq, hd], k, v [B, KV, Sk, hd]. Reductions over a row run in one
+// block (block_sum / block_max), whose order differs from the CPU's lanes: results agree to
+// rounding, not bit for bit.
+
+#define WARP 32
+#define FULL 0xffffffffu
+// Head dimensions up to 32 · HD_LANE = 256 (every Llama has 64 or 128).
+#define HD_LANE 8
+// NVRTC has no <math.h>, hence no INFINITY.
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float warp_sum(float s) {
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+    return s;
+}
+
+__device__ __forceinline__ float warp_max(float s) {
+    for (int o = 16; o > 0; o >>= 1) s = fmaxf(s, __shfl_xor_sync(FULL, s, o));
+    return s;
+}
+
+// The sum of `s` over the block, returned to every thread. `scratch` holds 32 floats.
+__device__ float block_sum(float s, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    s = warp_sum(s);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    s = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(s);
+}
+
+__device__ float block_max(float s, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    s = warp_max(s);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    s = lane < warps ? scratch[lane] : NEG_INF;
+    return warp_max(s);
+}
+
+// ---- RMSNorm (model::kernels::rmsnorm_fwd / rmsnorm_bwd) ---------------------------------
+
+// One block per row: y = w · x · rstd, rstd = 1 / sqrt(mean(x²) + eps).
+extern "C" __global__ void rmsnorm_fwd(float* y, float* rstd, const float* x, const float* w, int n, int d, float eps) {
+    __shared__ float scratch[32];
+    int row = blockIdx.x;
+    if (row >= n) return;
+    const float* xr = x + (size_t)row * d;
+    float* yr = y + (size_t)row * d;
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) s += xr[j] * xr[j];
+    float r = 1.0f / sqrtf(block_sum(s, scratch) / (float)d + eps);
+    if (threadIdx.x == 0) rstd[row] = r;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) yr[j] = w[j] * (xr[j] * r);
+}
+
+// One block per row: dx (= or +=) r·w·dy − r³/D · x · Σ w·dy·x.
+extern "C" __global__ void rmsnorm_bwd_dx(float* dx, const float* dy, const float* x, const float* w, const float* rstd,
+                                          int n, int d, int accumulate) {
+    __shared__ float scratch[32];
+    int row = blockIdx.x;
+    if (row >= n) return;
+    const float* xr = x + (size_t)row * d;
+    const float* dyr = dy + (size_t)row * d;
+    float* dxr = dx + (size_t)row * d;
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) s += w[j] * dyr[j] * xr[j];
+    float r = rstd[row];
+    float c = r * r * r / (float)d * block_sum(s, scratch);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float g = r * w[j] * dyr[j] - c * xr[j];
+        dxr[j] = accumulate ? dxr[j] + g : g;
+    }
+}
+
+// One thread per column, summing over the rows in order (deterministic): dw += Σ_n dy·x·rstd.
+extern "C" __global__ void rmsnorm_bwd_dw(float* dw, const float* dy, const float* x, const float* rstd, int n, int d) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    float s = 0.0f;
+    for (int row = 0; row < n; row++) s += dy[(size_t)row * d + j] * x[(size_t)row * d + j] * rstd[row];
+    dw[j] += s;
+}
+
+// ---- RoPE and the head transposes (model::kernels::to_heads_rope / from_heads_rope) ------
+
+// Token-major [B, S, nh·hd] → head-major [B, nh, S, hd], rotating the halves (a, b) to
+// (a·cos − b·sin, b·cos + a·sin) when `rotate`; cos, sin [S, hd/2]. One thread per output.
+extern "C" __global__ void to_heads_rope(float* dst, const float* src, const float* cos_t, const float* sin_t, int b, int s,
+                                         int nh, int hd, int rotate) {
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long total = (long long)b * nh * s * hd;
+    if (e >= total) return;
+    int c = (int)(e % hd), t = (int)((e / hd) % s), h = (int)((e / ((long long)hd * s)) % nh);
+    int bi = (int)(e / ((long long)hd * s * nh));
+    const float* row = src + ((size_t)bi * s + t) * nh * hd + (size_t)h * hd;
+    if (!rotate) { dst[e] = row[c]; return; }
+    int half = hd / 2, i = c % half;
+    float a = row[i], bb = row[i + half], co = cos_t[t * half + i], si = sin_t[t * half + i];
+    dst[e] = c < half ? a * co - bb * si : bb * co + a * si;
+}
+
+// The backward: head-major gradient → token-major, rotating by the transposed rotation.
+// One thread per output element of [B, S, nh·hd].
+extern "C" __global__ void from_heads_rope(float* dst, const float* src, const float* cos_t, const float* sin_t, int b, int s,
+                                           int nh, int hd, int rotate) {
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long total = (long long)b * s * nh * hd;
+    if (e >= total) return;
+    int c = (int)(e % hd), h = (int)((e / hd) % nh), t = (int)((e / ((long long)hd * nh)) % s);
+    int bi = (int)(e / ((long long)hd * nh * s));
+    const float* g = src + (((size_t)bi * nh + h) * s + t) * hd;
+    if (!rotate) { dst[e] = g[c]; return; }
+    int half = hd / 2, i = c % half;
+    float ga = g[i], gb = g[i + half], co = cos_t[t * half + i], si = sin_t[t * half + i];
+    dst[e] = c < half ? ga * co + gb * si : gb * co - ga * si;
+}
+
+// ---- SwiGLU (model::kernels::swiglu_fwd / swiglu_bwd) -------------------------------------
+
+extern "C" __global__ void swiglu_fwd(float* h, const float* gate, const float* up, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { float g = gate[i]; h[i] = g / (1.0f + expf(-g)) * up[i]; }
+}
+
+extern "C" __global__ void swiglu_bwd(float* dgate, float* dup, const float* dh, const float* gate, const float* up, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float g = gate[i], sig = 1.0f / (1.0f + expf(-g));
+        dup[i] = dh[i] * g * sig;
+        dgate[i] = dh[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
+    }
+}
+
+// dst += src (the residual adds).
+extern "C" __global__ void add_assign(float* dst, const float* src, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] += src[i];
+}
+
+// ---- Cross entropy over a (vocabulary-parallel) row of logits ----------------------------
+// (model::kernels::row_max, row_sum_exp, target_logit, cross_entropy_bwd_inplace)
+
+// One block per row of logits [N, v]: its max and Σ exp(x − max) over the first `valid`
+// columns, and the target's logit where this rank holds the target's row (else 0).
+extern "C" __global__ void ce_row_stats(float* m, float* sum_exp, float* t_logit, const float* logits, const unsigned int* targets,
+                                        int n, int v, int offset, int valid) {
+    __shared__ float scratch[32];
+    int row = blockIdx.x;
+    if (row >= n) return;
+    const float* x = logits + (size_t)row * v;
+    float mx = NEG_INF;
+    for (int j = threadIdx.x; j < valid; j += blockDim.x) mx = fmaxf(mx, x[j]);
+    mx = block_max(mx, scratch);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < valid; j += blockDim.x) s += expf(x[j] - mx);
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        m[row] = mx;
+        sum_exp[row] = s;
+        unsigned int local = targets[row] - (unsigned int)offset;
+        t_logit[row] = local < (unsigned int)valid ? x[local] : 0.0f;
+    }
+}
+
+// In place: logits become scale · (softmax − onehot), lse [N] over the whole vocabulary;
+// padding columns 0. One block per row.
+extern "C" __global__ void ce_bwd_inplace(float* logits, const float* lse, const unsigned int* targets, int n, int v, int offset,
+                                          int valid, float scale) {
+    int row = blockIdx.x;
+    if (row >= n) return;
+    float* x = logits + (size_t)row * v;
+    float l = lse[row];
+    unsigned int local = targets[row] - (unsigned int)offset;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float g = j < valid ? expf(x[j] - l) * scale : 0.0f;
+        if ((unsigned int)j == local && j < valid) g -= scale;
+        x[j] = g;
+    }
+}
+
+// ---- Causal grouped-query attention, flash-style (model::attention) ----------------------
+// One warp per query row: each lane holds hd/32 of the row's q and of its output accumulator;
+// keys stream through with an online softmax, so no score matrix exists. Causality is by
+// global position (k_pos[j] > q_pos[i] is masked), as on the CPU, so a context-parallel
+// rank's zigzag pieces work unchanged. The backward recomputes the probabilities from the
+// saved log-sum-exp: one kernel per query row for dQ, one per key row for dK and dV (each sums
+// in a fixed order: deterministic, no atomics).
+
+struct AttnDims { int b, h, kv, sq, sk, hd; float scale; };
+
+__device__ __forceinline__ void load_row(float* r, const float* src, int hd, int lane) {
+    for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; r[c] = e < hd ? src[e] : 0.0f; }
+}
+
+__device__ __forceinline__ float row_dot(const float* r, const float* src, int hd, int lane) {
+    float s = 0.0f;
+    for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; if (e < hd) s += r[c] * src[e]; }
+    return warp_sum(s);
+}
+
+// o [B, H, Sq, hd] and lse [B, H, Sq] (−∞ and o = 0 for a row that sees no key).
+extern "C" __global__ void attn_fwd(float* o, float* lse, const float* q, const float* k, const float* v, const int* q_pos,
+                                    const int* k_pos, AttnDims dm) {
+    int lane = threadIdx.x & 31;
+    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (row >= (long long)dm.b * dm.h * dm.sq) return;
+    int i = (int)(row % dm.sq), bh = (int)(row / dm.sq), hq = bh % dm.h, bi = bh / dm.h;
+    int g = hq / (dm.h / dm.kv);
+    const float* kb = k + ((size_t)bi * dm.kv + g) * dm.sk * dm.hd;
+    const float* vb = v + ((size_t)bi * dm.kv + g) * dm.sk * dm.hd;
+    float qr[HD_LANE], acc[HD_LANE];
+    load_row(qr, q + row * dm.hd, dm.hd, lane);
+    for (int c = 0; c < HD_LANE; c++) acc[c] = 0.0f;
+    float m = NEG_INF, l = 0.0f;
+    int qp = q_pos[i];
+    for (int j = 0; j < dm.sk; j++) {
+        if (k_pos[j] > qp) continue;
+        float s = row_dot(qr, kb + (size_t)j * dm.hd, dm.hd, lane) * dm.scale;
+        float m_new = fmaxf(m, s);
+        float corr = expf(m - m_new), p = expf(s - m_new);
+        l = l * corr + p;
+        const float* vr = vb + (size_t)j * dm.hd;
+        for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; acc[c] = acc[c] * corr + (e < dm.hd ? p * vr[e] : 0.0f); }
+        m = m_new;
+    }
+    float* orow = o + row * dm.hd;
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; if (e < dm.hd) orow[e] = acc[c] * inv; }
+    if (lane == 0) lse[row] = l > 0.0f ? m + logf(l) : NEG_INF;
+}
+
+// D [B, H, Sq] = rowsum(dO ∘ O): one warp per row.
+extern "C" __global__ void attn_bwd_rowdot(float* dd, const float* d_o, const float* o, long long rows, int hd) {
+    int lane = threadIdx.x & 31;
+    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (row >= rows) return;
+    float r[HD_LANE];
+    load_row(r, d_o + row * hd, hd, lane);
+    float s = row_dot(r, o + row * hd, hd, lane);
+    if (lane == 0) dd[row] = s;
+}
+
+// dQ = scale · Σ_j P_ij (dP_ij − D_i) K_j over the visible keys: one warp per query row.
+extern "C" __global__ void attn_bwd_dq(float* dq, const float* q, const float* k, const float* v, const float* d_o,
+                                       const float* lse, const float* dd, const int* q_pos, const int* k_pos, AttnDims dm) {
+    int lane = threadIdx.x & 31;
+    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (row >= (long long)dm.b * dm.h * dm.sq) return;
+    int i = (int)(row % dm.sq), bh = (int)(row / dm.sq), hq = bh % dm.h, bi = bh / dm.h;
+    int g = hq / (dm.h / dm.kv);
+    const float* kb = k + ((size_t)bi * dm.kv + g) * dm.sk * dm.hd;
+    const float* vb = v + ((size_t)bi * dm.kv + g) * dm.sk * dm.hd;
+    float qr[HD_LANE], dor[HD_LANE], acc[HD_LANE];
+    load_row(qr, q + row * dm.hd, dm.hd, lane);
+    load_row(dor, d_o + row * dm.hd, dm.hd, lane);
+    for (int c = 0; c < HD_LANE; c++) acc[c] = 0.0f;
+    float l = lse[row], di = dd[row];
+    int qp = q_pos[i];
+    if (l != NEG_INF) {
+        for (int j = 0; j < dm.sk; j++) {
+            if (k_pos[j] > qp) continue;
+            const float* kr = kb + (size_t)j * dm.hd;
+            float p = expf(row_dot(qr, kr, dm.hd, lane) * dm.scale - l);
+            float ds = p * (row_dot(dor, vb + (size_t)j * dm.hd, dm.hd, lane) - di) * dm.scale;
+            for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; if (e < dm.hd) acc[c] += ds * kr[e]; }
+        }
+    }
+    float* out = dq + row * dm.hd;
+    for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; if (e < dm.hd) out[e] = acc[c]; }
+}
+
+// dV_j = Σ_i P_ij dO_i and dK_j = scale · Σ_i P_ij (dP_ij − D_i) Q_i over the query heads that
+// share the kv head and the queries that see key j: one warp per key row of [B, KV, Sk].
+extern "C" __global__ void attn_bwd_dkv(float* dk, float* dv, const float* q, const float* k, const float* v, const float* d_o,
+                                        const float* lse, const float* dd, const int* q_pos, const int* k_pos, AttnDims dm) {
+    int lane = threadIdx.x & 31;
+    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (row >= (long long)dm.b * dm.kv * dm.sk) return;
+    int j = (int)(row % dm.sk), bg = (int)(row / dm.sk), g = bg % dm.kv, bi = bg / dm.kv;
+    int rep = dm.h / dm.kv;
+    float kr[HD_LANE], vr[HD_LANE], dk_acc[HD_LANE], dv_acc[HD_LANE];
+    load_row(kr, k + row * dm.hd, dm.hd, lane);
+    load_row(vr, v + row * dm.hd, dm.hd, lane);
+    for (int c = 0; c < HD_LANE; c++) { dk_acc[c] = 0.0f; dv_acc[c] = 0.0f; }
+    int kp = k_pos[j];
+    for (int hh = g * rep; hh < (g + 1) * rep; hh++) {
+        size_t base = ((size_t)bi * dm.h + hh) * dm.sq;
+        for (int i = 0; i < dm.sq; i++) {
+            if (q_pos[i] < kp) continue;
+            const float* qr = q + (base + i) * dm.hd;
+            const float* dor = d_o + (base + i) * dm.hd;
+            float p = expf(row_dot(kr, qr, dm.hd, lane) * dm.scale - lse[base + i]);
+            float ds = p * (row_dot(vr, dor, dm.hd, lane) - dd[base + i]) * dm.scale;
+            for (int c = 0; c < HD_LANE; c++) {
+                int e = lane + c * WARP;
+                if (e < dm.hd) { dv_acc[c] += p * dor[e]; dk_acc[c] += ds * qr[e]; }
+            }
+        }
+    }
+    for (int c = 0; c < HD_LANE; c++) {
+        int e = lane + c * WARP;
+        if (e < dm.hd) { dk[row * dm.hd + e] = dk_acc[c]; dv[row * dm.hd + e] = dv_acc[c]; }
+    }
+}
+
+// ---- AdamW (optim::AdamW, PyTorch's semantics) --------------------------------------------
+
+extern "C" __global__ void adamw(float* p, float* m, float* v, const float* g, long long n, float decay, float b1, float b2,
+                                 float step_size, float bc2_sqrt, float eps) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float gi = g[i];
+        p[i] *= decay;
+        m[i] = b1 * m[i] + (1.0f - b1) * gi;
+        v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
+        p[i] -= step_size * m[i] / (sqrtf(v[i]) / bc2_sqrt + eps);
+    }
+}
+
+// ---- bf16 (mixed precision: bf16 operands, f32 master weights and accumulation) ----------
+
+// f32 → bf16, rounding to nearest even; NaN stays a (quiet) NaN.
+extern "C" __global__ void f32_to_bf16(unsigned short* dst, const float* src, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned int u = __float_as_uint(src[i]);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { dst[i] = (unsigned short)((u >> 16) | 0x40u); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    dst[i] = (unsigned short)(u >> 16);
+}
+
+extern "C" __global__ void bf16_to_f32(float* dst, const unsigned short* src, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = __uint_as_float((unsigned int)src[i] << 16);
+}
