@@ -614,26 +614,46 @@ mod tests {
     }
 
     /// NVRTC compiles every kernel for the GPUs this program targets (A100 `sm_80`, H100/H200
-    /// `sm_90`): checked wherever NVRTC can be loaded, no GPU needed. CI installs NVRTC from
-    /// PyPI (`nvidia-cuda-nvrtc-cu12`) and sets `NDTRAIN_REQUIRE_NVRTC=1`, so there the test
-    /// cannot pass by finding no compiler.
+    /// `sm_90`), and `ptxas` assembles the PTX into machine code without spilling registers to
+    /// local memory: checked wherever NVRTC can be loaded (and `ptxas` is on `PATH`), no GPU
+    /// needed. CI installs both from PyPI (`nvidia-cuda-nvrtc-cu12`, `nvidia-cuda-nvcc-cu12`)
+    /// and sets `NDTRAIN_REQUIRE_NVRTC=1`, so there the test cannot pass by finding no compiler.
     #[test]
-    fn nvrtc_compiles_every_kernel_for_sm80_and_sm90() {
+    fn nvrtc_compiles_and_ptxas_assembles_every_kernel_for_sm80_and_sm90() {
+        let required = std::env::var_os("NDTRAIN_REQUIRE_NVRTC").is_some();
         if !library_loadable("nvrtc") {
-            assert!(
-                std::env::var_os("NDTRAIN_REQUIRE_NVRTC").is_none(),
-                "NDTRAIN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
-            );
+            assert!(!required, "NDTRAIN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)");
             eprintln!("NVRTC not loadable here: compile check skipped (set NDTRAIN_REQUIRE_NVRTC=1 to require it)");
             return;
         }
+        let ptxas = std::process::Command::new("ptxas").arg("--version").output().is_ok_and(|o| o.status.success());
+        assert!(ptxas || !required, "NDTRAIN_REQUIRE_NVRTC is set but ptxas is not on PATH");
+        let dir = tempfile::tempdir().unwrap();
         for arch in ["sm_80", "sm_90"] {
             let ptx = compile(arch).unwrap_or_else(|e| panic!("{e}"));
             let text = ptx.to_src();
             assert!(text.contains(&format!(".target {arch}")), "{arch}: PTX for another target");
-            for k in KERNELS.iter() {
+            for k in KERNELS {
                 assert!(text.contains(&format!(".entry {k}(")), "{arch}: no entry point {k} in the PTX");
             }
+            if !ptxas {
+                continue;
+            }
+            let file = dir.path().join(format!("kernels_{arch}.ptx"));
+            std::fs::write(&file, &text).unwrap();
+            let out = std::process::Command::new("ptxas")
+                .args([&format!("-arch={arch}"), "-v", "-o"])
+                .arg(dir.path().join(format!("kernels_{arch}.cubin")))
+                .arg(&file)
+                .output()
+                .unwrap();
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{arch}: ptxas failed:\n{log}");
+            eprintln!("ptxas {arch}:\n{log}");
+            // Every kernel reports "0 bytes spill stores, 0 bytes spill loads".
+            let spills: Vec<&str> =
+                log.lines().filter(|l| l.contains("spill") && !l.contains("0 bytes spill stores, 0 bytes spill loads")).collect();
+            assert!(spills.is_empty(), "{arch}: register spills:\n{}", spills.join("\n"));
         }
     }
 
