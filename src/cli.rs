@@ -87,7 +87,12 @@ enum Cmd {
     /// Check this rank's GPU against the CPU: cuBLAS, every NVRTC kernel, and an NCCL
     /// all-reduce over the job (run it under mpirun/srun with one rank per GPU). Needs a build
     /// with `--features cuda`.
-    GpuCheck,
+    GpuCheck {
+        /// Also build the mesh `dp_replicate,dp_shard,cp,tp` (its product = the ranks) and
+        /// check one NCCL communicator per group of it (tp, cp, fsdp, dp_rep, batch).
+        #[arg(long, value_name = "R,S,C,T")]
+        layout: Option<String>,
+    },
     /// Inspect, verify or convert a checkpoint (one process, no MPI job needed).
     Ckpt {
         #[command(subcommand)]
@@ -150,7 +155,7 @@ pub fn main() -> i32 {
         Cmd::Train { deck, set } => run_train(deck, set),
         Cmd::Plan { deck, ranks, ranks_per_node, all_layouts, set } => run_plan(deck, ranks, ranks_per_node, all_layouts, set),
         Cmd::Probe { threads } => run_probe(threads),
-        Cmd::GpuCheck => run_gpu_check(),
+        Cmd::GpuCheck { layout } => run_gpu_check(layout),
         Cmd::Ckpt { cmd } => run_ckpt(cmd),
         Cmd::Sweep { study, out } => match crate::sweep::run(&study, out.as_deref()) {
             Ok(points) => {
@@ -285,7 +290,7 @@ fn plan_bytes(b: usize) -> String {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_gpu_check() -> i32 {
+fn run_gpu_check(_layout: Option<String>) -> i32 {
     report_error(&"this ndtrain was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`");
     EXIT_BAD_INPUT
 }
@@ -293,9 +298,19 @@ fn run_gpu_check() -> i32 {
 /// Every rank opens the GPU of its node-local rank and checks it; rank 0 prints each rank's
 /// lines in order. Exit 0 only if every check on every rank passed.
 #[cfg(feature = "cuda")]
-fn run_gpu_check() -> i32 {
+fn run_gpu_check(layout: Option<String>) -> i32 {
     let rt = Runtime::init();
     let world = rt.world();
+    // A bad layout is bad input: every rank sees the same string and stops before any GPU work.
+    let mesh = match layout.map(|l| crate::gpu::check::parse_layout(&l, world.size())).transpose() {
+        Ok(l) => l.map(|l| crate::mesh::Mesh::new(rt.world(), l)),
+        Err(e) => {
+            if world.rank() == 0 {
+                report_error(&e);
+            }
+            rt.finalize_and_exit(EXIT_BAD_INPUT);
+        }
+    };
     let node = world.split_shared();
     let local: Result<Vec<String>, String> = crate::gpu::Gpu::open(node.rank()).and_then(|gpu| {
         let mut lines = vec![format!(
@@ -309,6 +324,9 @@ fn run_gpu_check() -> i32 {
         )];
         let mut checks = crate::gpu::check::check_kernels(&gpu)?;
         checks.push(crate::gpu::check::check_nccl(&gpu, &world)?);
+        for g in mesh.as_ref().map(|m| m.groups().to_vec()).unwrap_or_default() {
+            checks.push(crate::gpu::check::check_nccl(&gpu, g)?);
+        }
         let mut failed = 0;
         for c in &checks {
             failed += !c.ok() as usize;

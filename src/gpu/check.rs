@@ -263,12 +263,47 @@ pub fn check_nccl(gpu: &Gpu, group: &Group) -> Result<Check, String> {
     let got = gpu.download(&buf)?;
     let size = group.size();
     let want: Vec<f32> = (0..n).map(|i| (size * (size + 1) / 2) as f32 + size as f32 * (i % 8) as f32 / 8.0).collect();
-    Ok(Check { what: "NCCL all-reduce (sum) over the world, 4 MiB".into(), rel_err: rel_err(&got, &want), tol: 0.0 })
+    let what = format!("NCCL all-reduce (sum), 4 MiB, over {} ({} ranks)", group.name(), size);
+    Ok(Check { what, rel_err: rel_err(&got, &want), tol: 0.0 })
+}
+
+/// `gpu-check --layout R,S,C,T`: the mesh degrees `dp_replicate,dp_shard,cp,tp`, whose product
+/// must be the number of ranks.
+pub fn parse_layout(text: &str, ranks: usize) -> Result<crate::config::Layout, String> {
+    let degrees: Vec<usize> = text
+        .split(',')
+        .map(|x| x.trim().parse::<usize>().ok().filter(|&d| d >= 1))
+        .collect::<Option<_>>()
+        .filter(|d: &Vec<usize>| d.len() == 4)
+        .ok_or_else(|| format!("--layout {text:?}: expected four degrees ≥ 1, dp_replicate,dp_shard,cp,tp (e.g. 1,2,1,4)"))?;
+    let layout = crate::config::Layout { dp_replicate: degrees[0], dp_shard: degrees[1], cp: degrees[2], tp: degrees[3] };
+    // Checked without overflow: a product beyond usize is simply not the number of ranks.
+    let product = degrees.iter().try_fold(1usize, |p, &d| p.checked_mul(d));
+    if product != Some(ranks) {
+        return Err(format!(
+            "--layout {text}: dp_replicate·dp_shard·cp·tp must equal the {ranks} rank(s) of the job, not {}",
+            degrees.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("·")
+        ));
+    }
+    Ok(layout)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_layout_must_have_four_degrees_whose_product_is_the_ranks() {
+        let l = parse_layout("1, 2,1,4", 8).unwrap();
+        assert_eq!((l.dp_replicate, l.dp_shard, l.cp, l.tp), (1, 2, 1, 4));
+        for (bad, want) in
+            [("1,2,1", "four degrees"), ("1,2,0,4", "four degrees"), ("a,2,1,4", "four degrees"), ("2,2,1,4", "equal the 8 rank(s)")]
+        {
+            let e = parse_layout(bad, 8).unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        assert!(parse_layout("18446744073709551615,2,1,1", 8).unwrap_err().contains("equal the 8"));
+    }
 
     #[test]
     fn test_inputs_are_deterministic_and_in_range() {
