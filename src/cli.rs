@@ -405,6 +405,18 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         }
     };
     let out_dir = res.deck.run.out_dir();
+    // The checks every rank can make before the first collective of training (output folders,
+    // data, checkpoint, init_from): if any rank fails one, every rank stops here with code 2.
+    let verdict = crate::preflight::check(&res, world.rank(), &out_dir);
+    let failed = world.count_true(verdict.is_err());
+    if failed > 0 {
+        if let Err(e) = verdict {
+            // Ranks that disagree (a file one node cannot see) say which of them failed.
+            report_error(&if failed < world.size() { format!("rank {}: {e}", world.rank()) } else { e });
+        }
+        drop(world);
+        rt.finalize_and_exit(EXIT_BAD_INPUT);
+    }
     let mesh = Mesh::new(world, res.layout);
     let threads = crate::train::threads_for_rank(res.deck.run.threads, mesh.node.size());
     // A second global pool cannot be built; tests that call train twice in one process keep the first.

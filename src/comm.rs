@@ -421,6 +421,17 @@ impl Group {
         }
     }
 
+    /// How many ranks of the group pass `true` (control flow, not counted in the traffic).
+    pub fn count_true(&self, local: bool) -> usize {
+        let mine = local as u64;
+        if self.size == 1 {
+            return mine as usize;
+        }
+        let mut total = 0u64;
+        self.comm.all_reduce_into(&mine, &mut total, SystemOperation::sum());
+        total as usize
+    }
+
     /// Agrees on an outcome: `Ok` on every rank only if it is `Ok` on every rank; otherwise
     /// every rank returns the message of the lowest rank that failed, naming that rank, so
     /// whichever rank reports it says why.

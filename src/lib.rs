@@ -20,6 +20,7 @@ pub mod model;
 pub mod optim;
 pub mod plan;
 pub mod preempt;
+pub mod preflight;
 pub mod real;
 pub mod report;
 pub mod rng;

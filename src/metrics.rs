@@ -118,7 +118,7 @@ impl MetricsCsv {
     pub fn append(&mut self, r: &StepRecord) -> std::io::Result<()> {
         writeln!(
             self.out,
-            "{},{:.9e},{:.9e},{:.9e},{:.6e},{:.6e},{:.6e},{:.6e},{:.6e}",
+            "{},{:.16e},{:.16e},{:.16e},{:.6e},{:.6e},{:.6e},{:.6e},{:.6e}",
             r.step,
             r.loss,
             r.lr,

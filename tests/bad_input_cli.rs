@@ -74,10 +74,10 @@ fn bad_deck_fails_on_every_rank_under_mpirun() {
     assert_eq!(stderr.matches("error:").count(), 2, "both ranks report\n{}", text(&o));
 }
 
-/// A failure after start-up (a data file that does not exist) is one rank's news as far as
-/// the program knows: it aborts the whole job instead of leaving the others waiting.
+/// A data file that does not exist is found by every rank's preflight check, before the mesh
+/// is built: every rank reports it and exits with code 2; nothing is left waiting.
 #[test]
-fn runtime_error_aborts_every_rank() {
+fn a_missing_data_file_stops_every_rank_before_training() {
     let deck = tiny_deck();
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing.bin");
@@ -90,6 +90,8 @@ fn runtime_error_aborts_every_rank() {
         .args(["--set", &format!("run.out_dir=\"{}\"", dir.path().join("out").display())]);
     let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
     assert_clean_failure("missing data file", &o, timed_out, "missing.bin");
+    assert_eq!(String::from_utf8_lossy(&o.stderr).matches("error:").count(), 2, "both ranks report\n{}", text(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
 
 /// Mesh errors are found on every rank before any communication: each rank prints the
@@ -130,13 +132,20 @@ struct BadInput {
     make: fn(&Path) -> Input,
     /// A substring of the error message.
     want: &'static str,
-    /// Every rank finds the error while reading the deck, before any communication, and
-    /// reports it: two `error:` lines and exit code 2. Otherwise the error is found after the
-    /// mesh exists (opening the data, the checkpoint, the output folder, or reading a token)
-    /// and the rank that finds it aborts the job: one or two `error:` lines (a rank that finds
-    /// the same error a moment later may be killed by the abort first) and a non-zero code.
-    per_rank: bool,
+    /// Which ranks find it. Either way it is found before the first collective of training
+    /// (reading the deck, or the preflight checks of the files it names) and every rank exits
+    /// with code 2.
+    found: Found,
 }
+
+enum Found {
+    /// Every rank finds it (the deck, a file every rank reads): each prints it.
+    EveryRank,
+    /// Only this rank finds it (a bad token in its own first samples): it alone prints it,
+    /// naming itself.
+    OnlyRank(usize),
+}
+use Found::*;
 
 /// Tokens of a valid file: 4000 ids below the tiny deck's vocabulary of 128 (61 samples of 64).
 fn good_tokens() -> Vec<u16> {
@@ -193,45 +202,54 @@ fn a_file(dir: &Path) -> PathBuf {
     p
 }
 
+/// A checkpoint of the tiny deck after one step (one rank, `sets` on top), written under `dir`.
+fn written_checkpoint(dir: &Path, sets: &[&str]) -> PathBuf {
+    let mut all = vec!["run.steps=1", "optim.warmup_steps=0", "checkpoint.every=1", "run.threads=1", "hardware.peak_flops_per_rank=1e9"];
+    all.extend_from_slice(sets);
+    train_losses(dir, "writer", &tiny_deck(), None, &all);
+    dir.join("writer/ckpt/step_00000001.h5")
+}
+
 fn bad_inputs() -> Vec<BadInput> {
-    let case = |name, make, want, per_rank| BadInput { name, make, want, per_rank };
+    let case = |name, make, want, found| BadInput { name, make, want, found };
     vec![
         // llm.c `.bin` files.
-        case("empty .bin", |d| bin_input(d, "empty.bin", &[]), "0 bytes, shorter than the 1024-byte llm.c .bin header", false),
-        case("short .bin", |d| bin_input(d, "short.bin", &[0; 100]), "100 bytes, shorter than the 1024-byte", false),
-        case("wrong magic", |d| bin_input(d, "magic.bin", &bin_bytes(1234, 1, 4000, &good_tokens())), "header magic is 1234", false),
+        case("empty .bin", |d| bin_input(d, "empty.bin", &[]), "0 bytes, shorter than the 1024-byte llm.c .bin header", EveryRank),
+        case("short .bin", |d| bin_input(d, "short.bin", &[0; 100]), "100 bytes, shorter than the 1024-byte", EveryRank),
+        case("wrong magic", |d| bin_input(d, "magic.bin", &bin_bytes(1234, 1, 4000, &good_tokens())), "header magic is 1234", EveryRank),
         case(
             "unsupported version",
             |d| bin_input(d, "version.bin", &bin_bytes(BIN_MAGIC_GPT2, 3, 4000, &good_tokens())),
             "header version is 3 for magic 20240520",
-            false,
+            EveryRank,
         ),
         case(
             "count above the file",
             |d| bin_input(d, "long.bin", &bin_bytes(BIN_MAGIC_GPT2, 1, 5000, &good_tokens())),
             "header says 5000 tokens of 2 bytes",
-            false,
+            EveryRank,
         ),
         case(
             "count below the file (extra bytes)",
             |d| bin_input(d, "extra.bin", &bin_bytes(BIN_MAGIC_GPT2, 1, 3000, &good_tokens())),
             "header says 3000 tokens of 2 bytes",
-            false,
+            EveryRank,
         ),
         case(
             "negative count",
             |d| bin_input(d, "negative.bin", &bin_bytes(BIN_MAGIC_GPT2, 1, -1, &good_tokens())),
             "header token count is -1, negative",
-            false,
+            EveryRank,
         ),
         case(
             "uint32 shard with an odd body",
             |d| bin_input(d, "llama3.bin", &bin_bytes(BIN_MAGIC_LLAMA3, BIN_VERSION_LLAMA3, 2000, &good_tokens()[..3999])),
             "header says 2000 tokens of 4 bytes",
-            false,
+            EveryRank,
         ),
         case(
-            // Found when rank 0 reads sample 0, the first of its first micro-batch.
+            // Found when rank 0 reads sample 0, the first of its first micro-batch; rank 1's
+            // samples are fine.
             "token id above the vocabulary",
             |d| {
                 let mut t = good_tokens();
@@ -239,26 +257,26 @@ fn bad_inputs() -> Vec<BadInput> {
                 bin_input(d, "oov.bin", &gpt2_bin(&t))
             },
             "token at position 0 is 500, not below [model] vocab_size 128",
-            false,
+            OnlyRank(0),
         ),
         case(
             "fewer tokens than one sample",
             |d| bin_input(d, "few.bin", &gpt2_bin(&good_tokens()[..64])),
             "fewer tokens than one sample of seq_len 64 + 1",
-            false,
+            EveryRank,
         ),
-        case("one token", |d| bin_input(d, "one.bin", &gpt2_bin(&[1])), "a sample needs at least 2", false),
+        case("one token", |d| bin_input(d, "one.bin", &gpt2_bin(&[1])), "a sample needs at least 2", EveryRank),
         case(
             "pattern matching no file",
             |d| (None, vec!["data.source=\"bin\"".into(), path_set("data.path", &d.join("train_*.bin"))]),
             "matches no file",
-            false,
+            EveryRank,
         ),
         case(
             "star in the folder part",
             |d| (None, vec!["data.source=\"bin\"".into(), path_set("data.path", &d.join("s*").join("train.bin"))]),
             "'*' is only supported in the file-name part",
-            false,
+            EveryRank,
         ),
         case(
             "one bad shard in a pattern",
@@ -268,7 +286,7 @@ fn bad_inputs() -> Vec<BadInput> {
                 (None, vec!["data.source=\"bin\"".into(), path_set("data.path", &d.join("s_*.bin"))])
             },
             "s_1.bin: header magic is 0",
-            false,
+            EveryRank,
         ),
         case(
             "HDF5 file read as .bin",
@@ -278,14 +296,14 @@ fn bad_inputs() -> Vec<BadInput> {
                 (None, vec!["data.source=\"bin\"".into(), path_set("data.path", &p)])
             },
             "not an llm.c token file",
-            false,
+            EveryRank,
         ),
         // HDF5 files.
         case(
             "HDF5 dataset name wrong",
             |d| h5_input(d, "t.h5", "nope", |p| write_tokens(p, "tokens", TokenSlice::U16(&good_tokens()), 128).unwrap()),
             "has no dataset 'nope'",
-            false,
+            EveryRank,
         ),
         case(
             "HDF5 file of random bytes",
@@ -295,13 +313,13 @@ fn bad_inputs() -> Vec<BadInput> {
                 })
             },
             "cannot open HDF5 file",
-            false,
+            EveryRank,
         ),
         case(
             ".bin file read as HDF5",
             |d| h5_input(d, "t.bin", "tokens", |p| std::fs::write(p, gpt2_bin(&good_tokens())).unwrap()),
             "cannot open HDF5 file",
-            false,
+            EveryRank,
         ),
         case(
             "HDF5 token id above the vocabulary",
@@ -312,7 +330,7 @@ fn bad_inputs() -> Vec<BadInput> {
                 })
             },
             "not below [model] vocab_size 128",
-            false,
+            EveryRank,
         ),
         case(
             "HDF5 float dataset",
@@ -323,7 +341,7 @@ fn bad_inputs() -> Vec<BadInput> {
                 })
             },
             "token ids must be integers",
-            false,
+            EveryRank,
         ),
         case(
             "HDF5 2-D dataset",
@@ -334,41 +352,41 @@ fn bad_inputs() -> Vec<BadInput> {
                 })
             },
             "token ids must be a 1-D dataset",
-            false,
+            EveryRank,
         ),
         case(
             "HDF5 empty dataset",
             |d| h5_input(d, "e.h5", "tokens", |p| write_tokens(p, "tokens", TokenSlice::U16(&[]), 128).unwrap()),
             "holds 0 tokens; a sample needs at least 2",
-            false,
+            EveryRank,
         ),
         // Decks.
-        case("deck not UTF-8", |d| deck_input(d, b"\xff\xfe[run]\nsteps = 2\n"), "stream did not contain valid UTF-8", true),
-        case("deck syntax error", |d| deck_input(d, b"[run]\nsteps = 2\n[model\n"), "TOML syntax error at line 3", true),
-        case("deck duplicate key", |d| deck_input(d, b"[run]\nsteps = 2\nsteps = 3\n"), "duplicate key `steps`", true),
-        case("deck file missing", |d| (Some(d.join("missing.toml")), vec![]), "cannot read deck", true),
-        case("NaN learning rate", |_| sets_input(&["optim.lr=nan"]), "[optim] lr must be a finite number > 0, but it is NaN", true),
-        case("infinite eps", |_| sets_input(&["optim.eps=inf"]), "[optim] eps must be a finite number > 0, but it is inf", true),
-        case("negative steps", |_| sets_input(&["run.steps=-5"]), "[run] steps must be a whole number ≥ 0", true),
+        case("deck not UTF-8", |d| deck_input(d, b"\xff\xfe[run]\nsteps = 2\n"), "stream did not contain valid UTF-8", EveryRank),
+        case("deck syntax error", |d| deck_input(d, b"[run]\nsteps = 2\n[model\n"), "TOML syntax error at line 3", EveryRank),
+        case("deck duplicate key", |d| deck_input(d, b"[run]\nsteps = 2\nsteps = 3\n"), "duplicate key `steps`", EveryRank),
+        case("deck file missing", |d| (Some(d.join("missing.toml")), vec![]), "cannot read deck", EveryRank),
+        case("NaN learning rate", |_| sets_input(&["optim.lr=nan"]), "[optim] lr must be a finite number > 0, but it is NaN", EveryRank),
+        case("infinite eps", |_| sets_input(&["optim.eps=inf"]), "[optim] eps must be a finite number > 0, but it is inf", EveryRank),
+        case("negative steps", |_| sets_input(&["run.steps=-5"]), "[run] steps must be a whole number ≥ 0", EveryRank),
         case(
             "integer too large for TOML",
             |_| sets_input(&["model.d_model=99999999999999999999"]),
             "[model] d_model must be a whole number ≥ 0",
-            true,
+            EveryRank,
         ),
         case(
             "HDF5 without a dataset name",
             |_| sets_input(&["data.source=\"hdf5\"", "data.path=\"x.h5\"", "data.dataset=\"\""]),
             "needs dataset",
-            true,
+            EveryRank,
         ),
-        case("layout for another world", |_| sets_input(&["parallel.dp_shard=3"]), "but the job has 2 ranks", true),
-        // Files named by the deck, opened after the mesh exists.
+        case("layout for another world", |_| sets_input(&["parallel.dp_shard=3"]), "but the job has 2 ranks", EveryRank),
+        // Files and folders named by the deck, checked before training by every rank.
         case(
             "resume from a missing checkpoint",
             |d| (None, vec![path_set("checkpoint.resume", &d.join("step_00000010.h5"))]),
             "no such checkpoint file",
-            false,
+            EveryRank,
         ),
         case(
             "resume from a file that is not HDF5",
@@ -378,16 +396,45 @@ fn bad_inputs() -> Vec<BadInput> {
                 (None, vec![path_set("checkpoint.resume", &p)])
             },
             "cannot open HDF5 file",
-            false,
+            EveryRank,
+        ),
+        case(
+            "resume a checkpoint of another model",
+            |d| (None, vec![path_set("checkpoint.resume", &written_checkpoint(d, &["model.ffn_hidden=128"]))]),
+            "the deck has [model] ffn_hidden = 192, the checkpoint's model has ffn_hidden = 128",
+            EveryRank,
+        ),
+        case(
+            "resume a checkpoint of a newer format",
+            |d| {
+                let p = written_checkpoint(d, &[]);
+                let py = "import h5py, numpy, sys\nwith h5py.File(sys.argv[1], 'r+') as f: f.attrs['format_version'] = numpy.uint64(99)";
+                let ok = Command::new("/usr/bin/python3").args(["-c", py]).arg(&p).status().expect("Debian's python3 with h5py");
+                assert!(ok.success(), "h5py could not set format_version");
+                (None, vec![path_set("checkpoint.resume", &p)])
+            },
+            "has format_version 99; this ndtrain reads versions up to",
+            EveryRank,
         ),
         case(
             "init_from a missing folder",
             |d| (None, vec![path_set("checkpoint.init_from", &d.join("no_hf"))]),
             "no_hf/config.json",
-            false,
+            EveryRank,
         ),
-        case("init_from a regular file", |d| (None, vec![path_set("checkpoint.init_from", &a_file(d))]), "Not a directory", false),
-        case("out_dir under a regular file", |d| (None, vec![path_set("run.out_dir", &a_file(d).join("out"))]), "cannot write to", false),
+        case("init_from a regular file", |d| (None, vec![path_set("checkpoint.init_from", &a_file(d))]), "Not a directory", EveryRank),
+        case(
+            "out_dir under a regular file",
+            |d| (None, vec![path_set("run.out_dir", &a_file(d).join("out"))]),
+            "[run] out_dir: cannot write to",
+            EveryRank,
+        ),
+        case(
+            "export_hf under a regular file",
+            |d| (None, vec![path_set("checkpoint.export_hf", &a_file(d).join("hf"))]),
+            "[checkpoint] export_hf: cannot write to",
+            EveryRank,
+        ),
         // Found by the first run of this table and fixed: a directory named as such, one rank
         // prefix, control characters escaped.
         case(
@@ -397,19 +444,19 @@ fn bad_inputs() -> Vec<BadInput> {
                 (None, vec!["data.source=\"bin\"".into(), path_set("data.path", &d.join("shards"))])
             },
             "directory",
-            false,
+            EveryRank,
         ),
         case(
             "checkpoint dir under a regular file",
             |d| (None, vec![path_set("checkpoint.dir", &a_file(d).join("ckpt")), "checkpoint.every=1".into()]),
-            "cannot create",
-            false,
+            "[checkpoint] dir: cannot write to",
+            EveryRank,
         ),
         case(
             "a NUL byte in the data path",
             |d| (None, vec!["data.source=\"bin\"".into(), format!("data.path=\"{}/a\\u0000b.bin\"", d.display())]),
             "unexpected NUL byte",
-            false,
+            EveryRank,
         ),
     ]
 }
@@ -447,13 +494,35 @@ fn run_bad_input(c: &BadInput) {
     let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
     assert_clean_failure(c.name, &o, timed_out, c.want);
     assert_error_lines_clean(c.name, &o);
-    let reports = String::from_utf8_lossy(&o.stderr).matches("error:").count();
-    if c.per_rank {
-        assert_eq!(reports, 2, "{}: both ranks report\n{}", c.name, text(&o));
-        assert_eq!(o.status.code(), Some(2), "{}: bad input exits with code 2\n{}", c.name, text(&o));
-    } else {
-        assert!((1..=2).contains(&reports), "{}: one report per rank that found it\n{}", c.name, text(&o));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let reports: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    match c.found {
+        EveryRank => assert_eq!(reports.len(), 2, "{}: both ranks report\n{}", c.name, text(&o)),
+        OnlyRank(r) => {
+            assert_eq!(reports.len(), 1, "{}: only rank {r} reports\n{}", c.name, text(&o));
+            assert!(reports[0].starts_with(&format!("error: rank {r}: ")), "{}: names rank {r}: {}", c.name, reports[0]);
+        }
     }
+    assert_eq!(o.status.code(), Some(2), "{}: bad input exits with code 2 on every rank\n{}", c.name, text(&o));
+    // Nothing but the folders of the run was written: no deck copy, no logs, no checkpoint.
+    let out = dir.path().join("out");
+    if out.is_dir() {
+        let written: Vec<_> = walk(&out).into_iter().filter(|p| p.is_file()).collect();
+        assert!(written.is_empty(), "{}: files written before the run failed: {written:?}", c.name);
+    }
+}
+
+/// Every path under `dir`.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = vec![];
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        }
+        out.push(p);
+    }
+    out
 }
 
 /// Runs every case (a failing one does not stop the others) and fails naming those that failed.

@@ -45,6 +45,16 @@ fn every_shipped_study_expands_for_its_batch_system() {
         assert!(o.status.success(), "{}: {}", study.display(), text(&o));
         let jobs = std::fs::read_to_string(out.join("run_all.sh")).unwrap();
         assert!(jobs.lines().filter(|l| l.ends_with("job.sh")).count() >= 3, "{}: {jobs}", study.display());
+        // Every script the sweep wrote (Slurm, PBS or local job scripts, run_all, report) parses.
+        let mut scripts = vec![out.join("run_all.sh")];
+        for p in std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().path()).filter(|p| p.is_dir()) {
+            scripts.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()).filter(|f| f.extension().is_some_and(|x| x == "sh")));
+        }
+        assert!(scripts.len() >= 4, "{}: {scripts:?}", study.display());
+        for sh in &scripts {
+            let o = Command::new("bash").arg("-n").arg(sh).output().unwrap();
+            assert!(o.status.success(), "bash -n {}: {}", sh.display(), text(&o));
+        }
         n += 1;
     }
     assert!(n >= 6, "the shipped studies: {n}");

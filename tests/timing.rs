@@ -1,6 +1,7 @@
 //! The per-rank timing logs of a 4-rank FSDP=2×TP=2 run: one file per rank with the documented
 //! columns (`docs/timing_logs.md`), phases that add up to each step's wall time, and the
-//! collectives of every group that communicates.
+//! collectives of every group that communicates; the end-of-run table on the console and the
+//! MFU of `metrics.csv`.
 
 mod common;
 
@@ -35,8 +36,19 @@ fn schema() -> Vec<String> {
 #[test]
 fn every_rank_logs_every_phase_and_group_and_the_phases_add_up() {
     let dir = tempfile::tempdir().unwrap();
-    let sets = ["run.steps=6", "optim.warmup_steps=2", "run.threads=1", "parallel.tp=2", "checkpoint.every=3"];
-    train_losses(dir.path(), "run", &tiny_deck(), Some(4), &sets);
+    let out = dir.path().join("run");
+    let set_out = format!("run.out_dir=\"{}\"", out.display());
+    let deck = tiny_deck();
+    let mut args = vec!["train", deck.to_str().unwrap(), "--set", &set_out];
+    for s in
+        ["run.steps=6", "optim.warmup_steps=2", "run.threads=1", "parallel.tp=2", "checkpoint.every=3", "hardware.peak_flops_per_rank=2e9"]
+    {
+        args.extend(["--set", s]);
+    }
+    let o = run_mpi(4, &args);
+    assert!(o.status.success(), "{}", text(&o));
+    check_console_summary(&String::from_utf8_lossy(&o.stdout));
+    check_mfu(&out, 2e9, 4);
     let timing = dir.path().join("run/timing");
     let mut files: Vec<String> = std::fs::read_dir(&timing).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
@@ -68,5 +80,52 @@ fn every_rank_logs_every_phase_and_group_and_the_phases_add_up() {
             let ckpt = r[col("checkpoint_s")];
             assert_eq!(ckpt > 0.0, (i + 1) % 3 == 0, "{f} step {}: checkpoint_s {ckpt}", i + 1);
         }
+    }
+}
+
+/// The end-of-run table (LAMMPS style): one row per phase and `other`, each with min ≤ avg ≤
+/// max across ranks, its share of the total and the load imbalance `(max − avg) / avg`; the
+/// shares add up to the whole run.
+fn check_console_summary(stdout: &str) {
+    let lines: Vec<&str> = stdout.lines().collect();
+    let head =
+        lines.iter().position(|l| l.starts_with("phase") && l.contains("%imbal")).unwrap_or_else(|| panic!("no summary table:\n{stdout}"));
+    let mut share = 0.0;
+    for (i, name) in PHASES.iter().chain(&["other"]).enumerate() {
+        let cols: Vec<&str> = lines[head + 1 + i].split_whitespace().collect();
+        assert_eq!(cols.len(), 6, "{name}: {cols:?}");
+        assert_eq!(cols[0], *name, "the rows follow the phases");
+        let v: Vec<f64> = cols[1..].iter().map(|x| x.parse().unwrap()).collect();
+        let (lo, avg, hi, total, imbal) = (v[0], v[1], v[2], v[3], v[4]);
+        assert!(lo <= avg + 1e-3 && avg <= hi + 1e-3, "{name}: min {lo} avg {avg} max {hi}");
+        assert!((0.0..=100.0).contains(&total), "{name}: {total} % of the total");
+        if avg >= 0.05 {
+            // Printed with 3 decimals: recompute the imbalance within their rounding.
+            let want = 100.0 * (hi - avg) / avg;
+            assert!((imbal - want).abs() <= 0.1 + 100.0 * 0.001 / avg, "{name}: imbalance {imbal} vs {want}");
+        }
+        share += total;
+    }
+    assert!((95.0..=105.0).contains(&share), "the shares add up to {share} %");
+    assert!(lines[head + 1 + PHASES.len() + 1].starts_with("total "), "{}", lines[head + 1 + PHASES.len() + 1]);
+}
+
+/// `metrics.csv`'s MFU is tokens/s × FLOPs per token over the stated peak of all ranks, with
+/// DESIGN.md's `6·N_matmul + 12·L·D·S` counted here by hand for the tiny deck.
+fn check_mfu(out: &std::path::Path, peak: f64, ranks: usize) {
+    let (d, l, s, f, v, hd) = (64.0, 2.0, 64.0, 192.0, 128.0, 8.0);
+    let (q, kv) = (8.0 * hd, 4.0 * hd);
+    let n_matmul = l * (q * d + 2.0 * kv * d + d * q + 3.0 * f * d) + v * d;
+    let flops_per_token = 6.0 * n_matmul + 12.0 * l * d * s;
+    let csv = std::fs::read_to_string(out.join("metrics.csv")).unwrap();
+    let mut rows = csv.lines();
+    let header: Vec<&str> = rows.next().unwrap().split(',').collect();
+    let col = |n: &str| header.iter().position(|h| *h == n).unwrap();
+    for r in rows {
+        let x: Vec<f64> = r.split(',').map(|v| v.parse().unwrap()).collect();
+        let want = x[col("tokens_per_s")] * flops_per_token / (peak * ranks as f64);
+        assert!((x[col("mfu")] - want).abs() <= 1e-5 * want.max(1e-12) + 1e-12, "mfu {} vs {want}", x[col("mfu")]);
+        assert!(x[col("mfu")] > 0.0);
+        assert!((x[col("tokens_per_s_per_rank")] * ranks as f64 - x[col("tokens_per_s")]).abs() <= 1e-5 * x[col("tokens_per_s")]);
     }
 }
