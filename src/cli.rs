@@ -312,20 +312,14 @@ fn run_gpu_check(layout: Option<String>) -> i32 {
         }
     };
     let node = world.split_shared();
-    let local: Result<Vec<String>, String> = crate::gpu::Gpu::open(node.rank()).and_then(|gpu| {
-        let mut lines = vec![format!(
-            "rank {} (node rank {}): GPU {} {} (sm_{}{})",
-            world.rank(),
-            node.rank(),
-            gpu.ordinal,
-            gpu.name,
-            gpu.cc.0,
-            gpu.cc.1
-        )];
-        let mut checks = crate::gpu::check::check_kernels(&gpu)?;
-        checks.push(crate::gpu::check::check_nccl(&gpu, &world)?);
+    let opened = crate::gpu::backend::GpuBackend::open(node.rank(), crate::backend::Precision::Fp32);
+    let local: Result<Vec<String>, String> = opened.and_then(|be| {
+        use crate::backend::Backend;
+        let mut lines = vec![format!("rank {} (node rank {}): GPU {}", world.rank(), node.rank(), be.describe())];
+        let mut checks = crate::gpu::check::check_backend(&be);
+        checks.push(crate::gpu::check::check_nccl(be.gpu(), &world)?);
         for g in mesh.as_ref().map(|m| m.groups().to_vec()).unwrap_or_default() {
-            checks.push(crate::gpu::check::check_nccl(&gpu, g)?);
+            checks.push(crate::gpu::check::check_nccl(be.gpu(), g)?);
         }
         let mut failed = 0;
         for c in &checks {
@@ -448,7 +442,12 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         }
     }
     mesh.world.barrier();
-    match crate::train::train(&res, &mesh, &out_dir) {
+    let outcome = if res.deck.run.device == crate::config::Device::Cuda || crate::debug::device_loop() {
+        run_device_loop(&res, &mesh, &out_dir)
+    } else {
+        crate::train::train(&res, &mesh, &out_dir)
+    };
+    match outcome {
         Ok(summary) => {
             drop(mesh);
             rt.finalize_and_exit(if summary.preempted { EXIT_PREEMPTED } else { 0 })
@@ -468,6 +467,60 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
             }
         },
     }
+}
+
+/// The one-device training loop (`train_device`): on the rank's GPU for `[run] device =
+/// "cuda"`, on the host under the debug option `NDTRAIN_DEBUG_DEVICE_LOOP` (a test of the loop
+/// itself). The deck has been checked for one rank.
+fn run_device_loop(
+    res: &crate::config::Resolved,
+    mesh: &Mesh,
+    out_dir: &std::path::Path,
+) -> Result<crate::train::RunSummary, crate::train::Error> {
+    let deck = &res.deck;
+    if mesh.world.size() != 1 {
+        return Err(
+            format!("{}: the one-device loop runs on one rank, the job has {}", crate::debug::DEVICE_LOOP_ENV, mesh.world.size()).into()
+        );
+    }
+    let stated = deck.hardware.peak_flops_per_rank;
+    if deck.run.device == crate::config::Device::Cpu {
+        let peak = if stated > 0.0 {
+            (stated, "[hardware] peak_flops_per_rank")
+        } else {
+            (crate::train::probe_gemm_flops(), "measured f32 GEMM probe")
+        };
+        let be = crate::backend::Cpu { precision: deck.train.precision };
+        return crate::train_device::train(be, crate::model::Par::single(), res, &mesh.world, out_dir, peak);
+    }
+    run_gpu_loop(res, mesh, out_dir, stated)
+}
+
+#[cfg(feature = "cuda")]
+fn run_gpu_loop(
+    res: &crate::config::Resolved,
+    mesh: &Mesh,
+    out_dir: &std::path::Path,
+    stated: f64,
+) -> Result<crate::train::RunSummary, crate::train::Error> {
+    use crate::train_device::Alone;
+    let be = crate::gpu::backend::GpuBackend::open(mesh.node.rank(), res.deck.train.precision)?;
+    let peak = if stated > 0.0 {
+        (stated, "[hardware] peak_flops_per_rank".to_string())
+    } else {
+        (be.gemm_probe()?, format!("measured {:?} GEMM probe on the GPU", res.deck.train.precision))
+    };
+    crate::train_device::train(be, crate::model::Par { tp: &Alone, cp: &Alone }, res, &mesh.world, out_dir, (peak.0, &peak.1))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_gpu_loop(
+    _: &crate::config::Resolved,
+    _: &Mesh,
+    _: &std::path::Path,
+    _: f64,
+) -> Result<crate::train::RunSummary, crate::train::Error> {
+    Err("[run] device = \"cuda\", but this ndtrain was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`".into())
 }
 
 /// Prints `error: MESSAGE` as one write, so the lines of several ranks never interleave.

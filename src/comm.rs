@@ -208,7 +208,7 @@ impl Group {
         // T (asserted), and every element is written by copy_from_slice before it is read.
         let send = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut T, buf.len()) };
         send.copy_from_slice(buf);
-        self.comm.all_reduce_into(&send[..], buf, op);
+        crate::watchdog::waiting(|| self.comm.all_reduce_into(&send[..], buf, op));
         self.record("all_reduce", std::mem::size_of_val(buf), start);
     }
 
@@ -241,7 +241,7 @@ impl Group {
             return;
         }
         let start = Instant::now();
-        self.comm.all_gather_into(send, recv);
+        crate::watchdog::waiting(|| self.comm.all_gather_into(send, recv));
         self.record("all_gather", std::mem::size_of_val(recv), start);
     }
 
@@ -254,7 +254,7 @@ impl Group {
             return;
         }
         let start = Instant::now();
-        self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum());
+        crate::watchdog::waiting(|| self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum()));
         self.record("reduce_scatter", std::mem::size_of_val(send), start);
     }
 
@@ -325,7 +325,7 @@ impl Group {
     /// collective) and its bytes; returns `(send, recv)`.
     pub fn wait(&self, mut p: Pending) -> (Vec<f32>, Vec<f32>) {
         let start = Instant::now();
-        p.finish();
+        crate::watchdog::waiting(|| p.finish());
         if self.size > 1 {
             self.record(p.kind, p.bytes, start);
         }
@@ -402,7 +402,7 @@ impl Group {
 
     pub fn barrier(&self) {
         if self.size > 1 {
-            self.comm.barrier();
+            crate::watchdog::waiting(|| self.comm.barrier());
         }
     }
 
@@ -417,7 +417,7 @@ impl Group {
     pub fn agree_max_u64(&self, buf: &mut [u64]) {
         if self.size > 1 {
             let send = buf.to_vec();
-            self.comm.all_reduce_into(&send[..], buf, SystemOperation::max());
+            crate::watchdog::waiting(|| self.comm.all_reduce_into(&send[..], buf, SystemOperation::max()));
         }
     }
 
@@ -428,7 +428,7 @@ impl Group {
             return mine as usize;
         }
         let mut total = 0u64;
-        self.comm.all_reduce_into(&mine, &mut total, SystemOperation::sum());
+        crate::watchdog::waiting(|| self.comm.all_reduce_into(&mine, &mut total, SystemOperation::sum()));
         total as usize
     }
 

@@ -10,17 +10,17 @@ use crate::model::attention::zigzag_positions;
 use crate::model::params::Dims;
 use crate::model::RingComm;
 
-impl RingComm<f32> for Group {
+impl RingComm<Vec<f32>> for Group {
     fn degree(&self) -> usize {
         self.size()
     }
     fn rank(&self) -> usize {
         Group::rank(self)
     }
-    fn start_shift(&self, slot: usize, buf: &[f32]) {
+    fn start_shift(&self, slot: usize, buf: &Vec<f32>) {
         self.start_ring_shift_f32(slot, buf);
     }
-    fn finish_shift(&self, slot: usize, buf: &mut [f32]) {
+    fn finish_shift(&self, slot: usize, buf: &mut Vec<f32>) {
         self.finish_ring_shift_f32(slot, buf);
     }
 }

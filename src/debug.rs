@@ -21,6 +21,15 @@ pub fn step_delay() -> Result<Option<Duration>, String> {
     }
 }
 
+/// Set (to anything but `0`): a one-rank run on the host trains through the one-device loop
+/// (`train_device`, the GPU path's loop) instead of the main one, so a test can hold that loop
+/// to the main loop's losses without a GPU.
+pub const DEVICE_LOOP_ENV: &str = "NDTRAIN_DEBUG_DEVICE_LOOP";
+
+pub fn device_loop() -> bool {
+    std::env::var(DEVICE_LOOP_ENV).is_ok_and(|v| v != "0")
+}
+
 /// When writing the checkpoint of this step, world rank 0 aborts the job (`MPI_Abort`) after
 /// the parameters are written and before the optimiser moments: a crash in the middle of a
 /// checkpoint, which must leave the previous one intact.

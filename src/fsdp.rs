@@ -188,6 +188,8 @@ pub struct FsdpParams<'g> {
     pass: Pass,
     /// Unit 0 gathered (only its global tensors are allocated), during a micro-step.
     globals: Option<ModelParams<f32>>,
+    /// The global tensors' buffers between micro-steps, reused so no step allocates them.
+    spare_globals: Option<ModelParams<f32>>,
     blocks: Vec<Option<LayerParams<f32>>>,
     spare: Vec<LayerParams<f32>>,
     gather_buf: Vec<f32>,
@@ -212,6 +214,7 @@ impl<'g> FsdpParams<'g> {
             overlap: true,
             pass: Pass::Forward,
             globals: None,
+            spare_globals: None,
             blocks: (0..m.layers).map(|_| None).collect(),
             spare: vec![],
             // Sized once for the largest unit, so no collective ever reallocates them; none
@@ -315,7 +318,10 @@ impl<'g> FsdpParams<'g> {
     pub fn begin_micro_step(&mut self) {
         self.pass = Pass::Forward;
         if self.globals.is_none() {
-            let mut g = ModelParams::<f32>::zeros_local(&Dims { layers: 0, ..self.m.clone() });
+            let mut g = match self.spare_globals.take() {
+                Some(g) => g,
+                None => ModelParams::<f32>::zeros_local(&Dims { layers: 0, ..self.m.clone() }),
+            };
             if self.plan.degree > 1 {
                 self.gather_unit(0);
             }
@@ -336,8 +342,9 @@ impl<'g> FsdpParams<'g> {
             self.send_buf = send;
             self.gather_buf = recv;
         }
-        if self.globals.take().is_some() {
+        if let Some(g) = self.globals.take() {
             self.track(-((self.plan.unit_elements(0) * 4) as isize));
+            self.spare_globals = Some(g);
         }
         debug_assert!(self.blocks.iter().all(|b| b.is_none()), "every block is freed after backward");
     }
@@ -400,8 +407,8 @@ fn slots_mut<'a>(plan: &ShardPlan, shards: &'a mut [Vec<f32>]) -> Vec<&'a mut [f
     out
 }
 
-impl WeightSource<f32> for FsdpParams<'_> {
-    fn globals(&self) -> Globals<'_, f32> {
+impl WeightSource<Vec<f32>> for FsdpParams<'_> {
+    fn globals(&self) -> Globals<'_, Vec<f32>> {
         let g = self.globals.as_ref().expect("begin_micro_step gathers the global tensors");
         Globals { embed_tokens: &g.embed_tokens, norm: &g.norm, output: g.output_weight() }
     }
@@ -601,10 +608,10 @@ impl<'g> FsdpGrads<'g> {
     }
 }
 
-impl GradSink<f32> for FsdpGrads<'_> {
-    fn globals_mut(&mut self) -> GlobalsMut<'_, f32> {
+impl GradSink<Vec<f32>> for FsdpGrads<'_> {
+    fn globals_mut(&mut self) -> GlobalsMut<'_, Vec<f32>> {
         let g = &mut self.globals;
-        GlobalsMut { embed_tokens: &mut g.embed_tokens, norm: &mut g.norm, lm_head: g.lm_head.as_deref_mut() }
+        GlobalsMut { embed_tokens: &mut g.embed_tokens, norm: &mut g.norm, lm_head: g.lm_head.as_mut() }
     }
 
     fn block_mut(&mut self, l: usize) -> &mut LayerParams<f32> {

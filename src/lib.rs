@@ -2,6 +2,7 @@
 //!
 //! See `docs/architecture.md` for what each module owns.
 
+pub mod backend;
 pub mod checkpoint;
 pub mod cli;
 pub mod comm;
@@ -27,4 +28,5 @@ pub mod rng;
 pub mod sweep;
 pub mod tp;
 pub mod train;
+pub mod train_device;
 pub mod watchdog;

@@ -4,6 +4,7 @@
 //! under FSDP (the caller supplies the global norm, reduced across ranks). Knows nothing of
 //! communication. The moments are kept in the parameters' element type (f32 in training).
 
+use crate::backend::AdamStep;
 use crate::config::{ModelCfg, OptimCfg, Schedule};
 use crate::model::params::{param_specs, ModelParams};
 use crate::real::Real;
@@ -109,36 +110,40 @@ impl<T: Real> AdamW<T> {
     pub fn step_slots(&mut self, params: Vec<&mut [T]>, grads: &[&[T]], lr: f64) {
         assert_eq!(params.len(), self.exp_avg.len(), "AdamW: slot count changed");
         self.t += 1;
-        let bc1 = 1.0 - self.beta1.powi(self.t as i32);
-        let bc2 = 1.0 - self.beta2.powi(self.t as i32);
-        // PyTorch: p -= lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps)
-        let step_size = T::from_f64(lr / bc1);
-        let bc2_sqrt = T::from_f64(bc2.sqrt());
-        let (b1, b2) = (T::from_f64(self.beta1), T::from_f64(self.beta2));
-        let (one_m_b1, one_m_b2) = (T::from_f64(1.0 - self.beta1), T::from_f64(1.0 - self.beta2));
-        let eps = T::from_f64(self.eps);
-        let decay = T::from_f64(1.0 - lr * self.weight_decay);
+        let steps: Vec<AdamStep> = self.decayed.iter().map(|&d| self.coefficients(lr, d)).collect();
         let slots = params.into_iter().zip(grads).zip(self.exp_avg.iter_mut()).zip(self.exp_avg_sq.iter_mut());
         for (i, (((p, g), m), v)) in slots.enumerate() {
             assert_eq!(p.len(), m.len(), "AdamW: slot {i} changed length");
-            // Branch-free: multiplying by exactly 1 leaves an undecayed weight bit-identical.
-            let d = if self.decayed[i] && self.weight_decay != 0.0 { decay } else { T::ONE };
-            // Elementwise and independent: chunks run in parallel, each a straight loop the
-            // compiler vectorises; the result does not depend on the thread count.
-            p.par_chunks_mut(ADAMW_CHUNK)
-                .zip(g.par_chunks(ADAMW_CHUNK))
-                .zip(m.par_chunks_mut(ADAMW_CHUNK))
-                .zip(v.par_chunks_mut(ADAMW_CHUNK))
-                .for_each(|(((p, g), m), v)| {
-                    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                        *p *= d;
-                        *m = b1 * *m + one_m_b1 * g;
-                        *v = b2 * *v + one_m_b2 * g * g;
-                        *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
-                    }
-                });
+            adamw_update(p, g, m, v, &steps[i]);
         }
     }
+
+    /// The coefficients of the current update (`t` already counts it) for one tensor.
+    pub fn coefficients(&self, lr: f64, decayed: bool) -> AdamStep {
+        AdamStep::new(self.t, lr, self.beta1, self.beta2, self.eps, self.weight_decay, decayed)
+    }
+}
+
+/// One AdamW update of one tensor on the host (the CPU backend's `adamw` too).
+pub fn adamw_update<T: Real>(p: &mut [T], g: &[T], m: &mut [T], v: &mut [T], step: &AdamStep) {
+    let (step_size, bc2_sqrt, eps, d) =
+        (T::from_f64(step.step_size), T::from_f64(step.bc2_sqrt), T::from_f64(step.eps), T::from_f64(step.decay));
+    let (b1, b2) = (T::from_f64(step.b1), T::from_f64(step.b2));
+    let (one_m_b1, one_m_b2) = (T::from_f64(1.0 - step.b1), T::from_f64(1.0 - step.b2));
+    // Elementwise and independent: chunks run in parallel, each a straight loop the compiler
+    // vectorises; the result does not depend on the thread count.
+    p.par_chunks_mut(ADAMW_CHUNK)
+        .zip(g.par_chunks(ADAMW_CHUNK))
+        .zip(m.par_chunks_mut(ADAMW_CHUNK))
+        .zip(v.par_chunks_mut(ADAMW_CHUNK))
+        .for_each(|(((p, g), m), v)| {
+            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+                *p *= d;
+                *m = b1 * *m + one_m_b1 * g;
+                *v = b2 * *v + one_m_b2 * g * g;
+                *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
+            }
+        });
 }
 
 #[cfg(test)]

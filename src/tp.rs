@@ -12,17 +12,17 @@ use crate::model::params::{param_specs_local, Dims, ModelParams};
 use crate::model::TpComm;
 use std::collections::BTreeMap;
 
-impl TpComm<f32> for Group {
-    fn all_reduce_sum(&self, buf: &mut [f32]) {
+impl TpComm<Vec<f32>> for Group {
+    fn all_reduce_sum(&self, buf: &mut Vec<f32>) {
         self.all_reduce_sum_f32(buf);
     }
-    fn all_reduce_max(&self, buf: &mut [f32]) {
+    fn all_reduce_max(&self, buf: &mut Vec<f32>) {
         self.all_reduce_max_f32(buf);
     }
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
+    fn all_gather(&self, send: &Vec<f32>, recv: &mut Vec<f32>) {
         self.all_gather_f32(send, recv);
     }
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
+    fn reduce_scatter_sum(&self, send: &Vec<f32>, recv: &mut Vec<f32>) {
         self.reduce_scatter_sum_f32(send, recv);
     }
 }

@@ -169,8 +169,9 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
     let mut grads = FsdpGrads::new(&dims, &mesh.fsdp, &mesh.dp_rep);
     let n_params = crate::model::params::param_specs(mcfg).iter().map(|s| s.numel()).sum::<usize>();
     let cp = mesh.cp.size();
+    let backend = crate::backend::Cpu { precision: tcfg.precision };
     let mut model =
-        Model::<f32>::new_local(dims.clone(), tcfg.activation_checkpointing, deck.parallel.sequence_parallel).with_context_parallel(cp);
+        Model::<f32>::on(backend, dims.clone(), tcfg.activation_checkpointing, deck.parallel.sequence_parallel).with_context_parallel(cp);
     let par = Par { tp: &mesh.tp, cp: &mesh.cp };
     let s_local = s / cp;
 

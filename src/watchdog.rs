@@ -8,7 +8,9 @@
 //! for `[run] watchdog_seconds`, the thread prints which rank stalled and where, and exits the
 //! process with [`crate::cli::EXIT_RUN_FAILED`] without unwinding (`_exit`): the launcher
 //! (`mpirun`, `srun --kill-on-bad-exit`) then ends every other rank. It does not call
-//! `MPI_Abort`, which MPI only allows from the thread that initialised it.
+//! `MPI_Abort`, which MPI only allows from the thread that initialised it. A rank blocked in a
+//! collective (waiting for a partner) allows itself twice the limit, so the rank that stalled
+//! outside any collective reports first and the message names it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,6 +23,19 @@ struct Shared {
     last_ms: AtomicU64,
     what: Mutex<String>,
     stop: AtomicBool,
+}
+
+/// The training thread is blocked in a collective (set by `comm` around its blocking calls).
+static IN_COLLECTIVE: AtomicBool = AtomicBool::new(false);
+
+/// Runs a blocking collective. A rank waiting in one is usually waiting for a rank that is
+/// stuck elsewhere (in I/O, in a hang): it allows itself twice the limit, so that the stuck
+/// rank's own watchdog fires first and the message names the rank that caused the stall.
+pub fn waiting<R>(f: impl FnOnce() -> R) -> R {
+    IN_COLLECTIVE.store(true, Ordering::Relaxed);
+    let r = f();
+    IN_COLLECTIVE.store(false, Ordering::Relaxed);
+    r
 }
 
 /// The running watchdog of this process, if any: what [`beat`] reports to.
@@ -54,8 +69,13 @@ impl Watchdog {
                     std::thread::park_timeout(tick);
                     let now = s.start.elapsed().as_millis() as u64;
                     let idle = Duration::from_millis(now.saturating_sub(s.last_ms.load(Ordering::Relaxed)));
-                    if idle > timeout && !s.stop.load(Ordering::Relaxed) {
-                        let what = s.what.lock().map(|w| w.clone()).unwrap_or_default();
+                    let in_collective = IN_COLLECTIVE.load(Ordering::Relaxed);
+                    let limit = if in_collective { 2 * timeout } else { timeout };
+                    if idle > limit && !s.stop.load(Ordering::Relaxed) {
+                        let mut what = s.what.lock().map(|w| w.clone()).unwrap_or_default();
+                        if in_collective {
+                            what.push_str(", waiting in a collective for another rank");
+                        }
                         fire(rank, idle, timeout, &what);
                     }
                 }

@@ -63,11 +63,42 @@ pub struct RunCfg {
     /// End the job when a rank's training loop makes no progress for this long (seconds;
     /// 0 disables the watchdog).
     pub watchdog_seconds: f64,
+    /// Where the model computes: the host, or the rank's NVIDIA GPU (feature `cuda`).
+    pub device: Device,
+}
+
+/// `[run] device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+/// `[train] precision`: how the GEMMs' operands are rounded. Parameters, optimiser state,
+/// activations and gradient reductions are f32 either way ("mixed precision").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 operands.
+    #[default]
+    Fp32,
+    /// bf16 operands (rounded to nearest even), f32 accumulation and output.
+    Bf16,
 }
 
 impl Default for RunCfg {
     fn default() -> Self {
-        RunCfg { name: "run".into(), out_dir: String::new(), seed: 1234, steps: 100, threads: 0, watchdog_seconds: 1800.0 }
+        RunCfg {
+            name: "run".into(),
+            out_dir: String::new(),
+            seed: 1234,
+            steps: 100,
+            threads: 0,
+            watchdog_seconds: 1800.0,
+            device: Device::Cpu,
+        }
     }
 }
 
@@ -179,11 +210,19 @@ pub struct TrainCfg {
     /// Micro-steps per optimiser step (0 = derive from `global_batch`).
     pub grad_accum: usize,
     pub activation_checkpointing: ActCkpt,
+    pub precision: Precision,
 }
 
 impl Default for TrainCfg {
     fn default() -> Self {
-        TrainCfg { seq_len: 64, micro_batch: 1, global_batch: 0, grad_accum: 0, activation_checkpointing: ActCkpt::None }
+        TrainCfg {
+            seq_len: 64,
+            micro_batch: 1,
+            global_batch: 0,
+            grad_accum: 0,
+            activation_checkpointing: ActCkpt::None,
+            precision: Precision::Fp32,
+        }
     }
 }
 

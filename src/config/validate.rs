@@ -174,6 +174,7 @@ impl Deck {
         let seq_len = self.train.seq_len;
         let tokens_per_step = mul(global_batch, seq_len, || format!("global_batch({global_batch}) × seq_len({seq_len})"))?;
         let (lr, lr_line) = self.scaled_lr(global_batch)?;
+        self.check_device(world_size)?;
 
         let Layout { dp_replicate, dp_shard, cp, tp } = layout;
         let mut summary = vec![
@@ -192,6 +193,26 @@ impl Deck {
         ];
         summary.extend(lr_line);
         Ok(Resolved { deck: self.clone(), layout, grad_accum, global_batch, lr, tokens_per_step, summary })
+    }
+
+    /// What the GPU path runs so far: one rank on one GPU, without checkpoints (issue 10 and
+    /// `docs/gpu.md` say what comes next).
+    fn check_device(&self, world_size: usize) -> Result<(), ConfigError> {
+        if self.run.device != super::Device::Cuda {
+            return Ok(());
+        }
+        need(world_size == 1, || {
+            err(format!("[run] device = \"cuda\" trains on one rank (one GPU) so far, but the job has {}", ranks(world_size)))
+                .with_hint("run one rank, or device = \"cpu\" for a parallel layout; GPU layouts over NCCL come next (docs/gpu.md)")
+        })?;
+        let c = &self.checkpoint;
+        for (key, set) in [("every", c.every > 0), ("resume", !c.resume.is_empty()), ("export_hf", !c.export_hf.is_empty())] {
+            need(!set, || {
+                err(format!("[checkpoint] {key} is set, but [run] device = \"cuda\" does not write or read checkpoints yet"))
+                    .with_hint("leave [checkpoint] every, resume and export_hf unset on the GPU for now (docs/gpu.md)")
+            })?;
+        }
+        Ok(())
     }
 
     fn check_run(&self) -> Result<(), ConfigError> {

@@ -1,9 +1,18 @@
-//! `ndtrain gpu-check`: every GPU kernel, the cuBLAS GEMMs and an NCCL all-reduce against the
-//! CPU reference (`model::kernels`, `model::attention`, `optim::AdamW`, `real::matmul`) on the
-//! same inputs, with named tolerances.
+//! `ndtrain gpu-check`: every operation of the backend boundary on the GPU against the host
+//! backend (`backend::Cpu`: `model::kernels`, `model::attention`, `optim`, `real`) on the same
+//! inputs, a whole forward and backward of a small model on both, and an NCCL all-reduce per
+//! group, each with a named tolerance.
 
-use super::{round_bf16, AttnDims, Gpu};
+use super::backend::{DevBuf, GpuBackend};
+use super::Gpu;
+use crate::backend::{AdamStep, Backend, Cpu, Precision};
 use crate::comm::Group;
+use crate::config::{ActCkpt, ModelCfg};
+use crate::model::attention::{zigzag_positions, AttnDims};
+use crate::model::kernels;
+use crate::model::params::{Dims, ModelParams};
+use crate::model::{Model, Par, Tokens};
+use crate::train_device::Alone;
 use cudarc::nccl::ReduceOp;
 
 /// The result of one comparison.
@@ -28,6 +37,12 @@ pub const F32_TOL: f64 = 1e-5;
 /// bf16 operands (8 significant bits, relative rounding ≤ 2⁻⁹ each) with f32 accumulation,
 /// against the fp32 reference on the unrounded inputs.
 pub const BF16_TOL: f64 = 1e-2;
+
+/// A whole forward and backward (two blocks, 256 tokens) against the host: every GEMM,
+/// reduction and exponential in another order, compounded through the blocks and the backward;
+/// the largest gradient difference over the tensor's largest value. (A wrong index or a missed
+/// accumulation shows as ≥ 1e-2.)
+pub const MODEL_TOL: f64 = 1e-4;
 
 pub(crate) fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
     assert_eq!(gpu.len(), cpu.len(), "compared buffers differ in length");
@@ -55,200 +70,329 @@ pub(crate) fn inputs(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-struct Checks<'a> {
-    gpu: &'a Gpu,
-    out: Vec<Check>,
-}
-
-impl Checks<'_> {
-    fn compare(&mut self, what: impl Into<String>, dev: &cudarc::driver::CudaSlice<f32>, cpu: &[f32], tol: f64) -> Result<(), String> {
-        let got = self.gpu.download(dev)?;
-        self.out.push(Check { what: what.into(), rel_err: rel_err(&got, cpu), tol });
-        Ok(())
-    }
-}
-
-/// Runs every kernel on the GPU and on the CPU with the same inputs.
-pub fn check_kernels(gpu: &Gpu) -> Result<Vec<Check>, String> {
-    let mut c = Checks { gpu, out: vec![] };
-    gemms(&mut c)?;
-    norms_and_elementwise(&mut c)?;
-    cross_entropy(&mut c)?;
+/// Runs every operation of [`Backend`] on the GPU and on the host with the same inputs, then a
+/// whole forward and backward of a small model on each.
+pub fn check_backend(gpu: &GpuBackend) -> Vec<Check> {
+    let mut fp32 = gpu.clone();
+    fp32.set_precision(Precision::Fp32);
+    let mut c = Pair { cpu: Cpu::default(), gpu: fp32, out: vec![] };
+    c.gemms();
+    c.norms_and_elementwise();
+    c.embedding();
+    c.cross_entropy();
     // Causal self-attention with GQA (4 query heads on 2 kv heads), and a context-parallel
     // piece: rank 0's zigzag queries against rank 1's keys (of cp = 2), where the first
     // chunk's queries see no key at all (lse = −∞).
     let s = 96;
     let all: Vec<usize> = (0..s).collect();
-    attention(&mut c, "causal, GQA 4/2", &all, &all)?;
-    let (q_pos, k_pos) = (crate::model::attention::zigzag_positions(s, 2, 0), crate::model::attention::zigzag_positions(s, 2, 1));
-    attention(&mut c, "zigzag cp piece", &q_pos, &k_pos)?;
-    adamw(&mut c)?;
-    gpu.synchronize()?;
-    Ok(c.out)
+    c.attention("causal, GQA 4/2", &all, &all);
+    let (q_pos, k_pos) = (zigzag_positions(s, 2, 0), zigzag_positions(s, 2, 1));
+    c.attention("zigzag cp piece", &q_pos, &k_pos);
+    c.optimiser();
+    c.model(ActCkpt::None);
+    c.model(ActCkpt::Full);
+    let mut out = c.out;
+    // Mixed precision: the same GEMMs on bf16 operands.
+    let mut bf16 = gpu.clone();
+    bf16.set_precision(Precision::Bf16);
+    let mut c = Pair { cpu: Cpu { precision: Precision::Bf16 }, gpu: bf16, out: vec![] };
+    c.bf16_gemms();
+    c.model(ActCkpt::None);
+    out.append(&mut c.out);
+    out
 }
 
-fn gemms(c: &mut Checks) -> Result<(), String> {
-    use crate::real::{matmul, Mat, MatMut};
-    let gpu = c.gpu;
-    let (m, n, k) = (257, 384, 193);
-    let (a, b) = (inputs(m * k, 1), inputs(k * n, 2));
-    let mut c_cpu = vec![0.0f32; m * n];
-    matmul(MatMut::rm(&mut c_cpu, m, n), Mat::rm(&a, m, k), Mat::rm(&b, k, n), false);
-    let (ad, bd) = (gpu.upload(&a)?, gpu.upload(&b)?);
-    let mut cd = gpu.zeros(m * n)?;
-    gpu.matmul(&mut cd, &ad, &bd, m, n, k)?;
-    c.compare("cuBLAS sgemm [257×193]·[193×384]", &cd, &c_cpu, F32_TOL)?;
-
-    // bf16: the conversion is exact round-to-nearest-even, and the GEMM of the rounded
-    // operands is the fp32 GEMM of the rounded values (their products are exact in f32).
-    let (mut a16, mut b16) = (gpu.zeros::<u16>(m * k)?, gpu.zeros::<u16>(k * n)?);
-    gpu.to_bf16(&mut a16, &ad)?;
-    gpu.to_bf16(&mut b16, &bd)?;
-    let mut back = gpu.zeros(m * k)?;
-    gpu.from_bf16(&mut back, &a16)?;
-    let a_rounded: Vec<f32> = a.iter().map(|&x| round_bf16(x)).collect();
-    c.compare("f32 → bf16 → f32 (round to nearest even)", &back, &a_rounded, 0.0)?;
-    let b_rounded: Vec<f32> = b.iter().map(|&x| round_bf16(x)).collect();
-    let mut c_rounded = vec![0.0f32; m * n];
-    matmul(MatMut::rm(&mut c_rounded, m, n), Mat::rm(&a_rounded, m, k), Mat::rm(&b_rounded, k, n), false);
-    gpu.matmul_bf16(&mut cd, &a16, &b16, m, n, k)?;
-    c.compare("cublasGemmEx bf16·bf16 → f32, vs fp32 of the rounded operands", &cd, &c_rounded, F32_TOL)?;
-    c.compare("cublasGemmEx bf16·bf16 → f32, vs fp32", &cd, &c_cpu, BF16_TOL)
+/// The two backends and the results so far.
+struct Pair {
+    cpu: Cpu,
+    gpu: GpuBackend,
+    out: Vec<Check>,
 }
 
-fn norms_and_elementwise(c: &mut Checks) -> Result<(), String> {
-    use crate::model::kernels;
-    let gpu = c.gpu;
-    let (rows, d, eps) = (64, 1000, 1e-5f32);
-    let (x, w, dy) = (inputs(rows * d, 3), inputs(d, 4), inputs(rows * d, 11));
-    let (mut y_cpu, mut r_cpu) = (vec![0.0f32; rows * d], vec![0.0f32; rows]);
-    kernels::rmsnorm_fwd(&mut y_cpu, &mut r_cpu, &x, &w, d, eps as f64);
-    let (xd, wd) = (gpu.upload(&x)?, gpu.upload(&w)?);
-    let (mut y, mut r) = (gpu.zeros(rows * d)?, gpu.zeros(rows)?);
-    gpu.rmsnorm_fwd(&mut y, &mut r, &xd, &wd, rows, d, eps)?;
-    c.compare("rmsnorm_fwd y", &y, &y_cpu, F32_TOL)?;
-    c.compare("rmsnorm_fwd rstd", &r, &r_cpu, F32_TOL)?;
-    for accumulate in [false, true] {
-        // dx starts from x (so accumulation shows), dw from w (dw always accumulates).
-        let (mut dx_cpu, mut dw_cpu) = (x.clone(), w.clone());
-        kernels::rmsnorm_bwd(&mut dx_cpu, &mut dw_cpu, &dy, &x, &w, &r_cpu, d, accumulate);
-        let (mut dx, mut dw) = (gpu.upload(&x)?, gpu.upload(&w)?);
-        gpu.rmsnorm_bwd(&mut dx, &mut dw, &gpu.upload(&dy)?, &xd, &wd, &gpu.upload(&r_cpu)?, (rows, d), accumulate)?;
-        c.compare(format!("rmsnorm_bwd dx (accumulate = {accumulate})"), &dx, &dx_cpu, F32_TOL)?;
-        c.compare(format!("rmsnorm_bwd dw (accumulate = {accumulate})"), &dw, &dw_cpu, F32_TOL)?;
+impl Pair {
+    fn up(&self, x: &[f32]) -> DevBuf<f32> {
+        let mut d = DevBuf::default();
+        self.gpu.upload(&mut d, x);
+        d
     }
 
-    // RoPE at positions that are not 0..S (a context-parallel rank's zigzag positions).
-    let (b, s, nh, hd) = (2, 48, 3, 64);
-    let positions = crate::model::attention::zigzag_positions(2 * s, 2, 1);
-    let (cos, sin) = kernels::rope_tables::<f32>(&positions, hd, 500000.0);
-    let src = inputs(b * s * nh * hd, 12);
-    let srcd = gpu.upload(&src)?;
-    let tables = (gpu.upload(&cos)?, gpu.upload(&sin)?);
-    for rotate in [true, false] {
-        let rope = rotate.then_some((&cos[..], &sin[..]));
-        let rope_dev = rotate.then_some((&tables.0, &tables.1));
-        let mut cpu = vec![0.0f32; src.len()];
-        let mut dev = gpu.zeros(src.len())?;
-        kernels::to_heads_rope(&mut cpu, &src, b, s, nh, hd, rope);
-        gpu.heads_rope(&mut dev, &srcd, rope_dev, (b, s, nh, hd), true)?;
-        c.compare(format!("to_heads (rope = {rotate})"), &dev, &cpu, F32_TOL)?;
-        kernels::from_heads_rope(&mut cpu, &src, b, s, nh, hd, rope);
-        gpu.heads_rope(&mut dev, &srcd, rope_dev, (b, s, nh, hd), false)?;
-        c.compare(format!("from_heads, the backward (rope = {rotate})"), &dev, &cpu, F32_TOL)?;
+    fn down(&self, d: &DevBuf<f32>) -> Vec<f32> {
+        let mut h = vec![0.0; self.gpu.len(d)];
+        self.gpu.download(d, &mut h);
+        h
     }
 
-    let len = 100_003;
-    let (g, u, dh) = (inputs(len, 5).iter().map(|x| 8.0 * x).collect::<Vec<_>>(), inputs(len, 6), inputs(len, 7));
-    let mut h_cpu = vec![0.0f32; len];
-    kernels::swiglu_fwd(&mut h_cpu, &g, &u);
-    let (gd, ud) = (gpu.upload(&g)?, gpu.upload(&u)?);
-    let mut h = gpu.zeros(len)?;
-    gpu.swiglu_fwd(&mut h, &gd, &ud)?;
-    c.compare("swiglu_fwd", &h, &h_cpu, F32_TOL)?;
-    let (mut dg_cpu, mut du_cpu) = (vec![0.0f32; len], vec![0.0f32; len]);
-    kernels::swiglu_bwd(&mut dg_cpu, &mut du_cpu, &dh, &g, &u);
-    let (mut dg, mut du) = (gpu.zeros(len)?, gpu.zeros(len)?);
-    gpu.swiglu_bwd(&mut dg, &mut du, &gpu.upload(&dh)?, &gd, &ud)?;
-    c.compare("swiglu_bwd dgate", &dg, &dg_cpu, F32_TOL)?;
-    c.compare("swiglu_bwd dup", &du, &du_cpu, F32_TOL)?;
-    kernels::add_assign(&mut h_cpu, &u);
-    gpu.add_assign(&mut h, &ud)?;
-    c.compare("add_assign", &h, &h_cpu, 0.0)
-}
-
-/// A vocabulary-parallel piece: this rank holds rows [offset, offset + valid) of a vocabulary,
-/// padded to `v` columns; some targets fall outside it.
-fn cross_entropy(c: &mut Checks) -> Result<(), String> {
-    use crate::model::kernels;
-    let gpu = c.gpu;
-    let (n, v, offset, valid) = (77, 1040, 1000, 1029);
-    let logits: Vec<f32> = inputs(n * v, 13).iter().map(|x| 6.0 * x).collect();
-    let targets: Vec<u32> = (0..n as u32).map(|i| (i * 397) % 2100).collect();
-    let (mut m, mut se, mut tl) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
-    kernels::row_max(&mut m, &logits, v, valid);
-    kernels::row_sum_exp(&mut se, &logits, &m, v, valid);
-    kernels::target_logit(&mut tl, &logits, &targets, v, offset, valid);
-    let (ld, td) = (gpu.upload(&logits)?, gpu.upload(&targets)?);
-    let (mut md, mut sed, mut tld) = (gpu.zeros(n)?, gpu.zeros(n)?, gpu.zeros(n)?);
-    gpu.ce_row_stats((&mut md, &mut sed, &mut tld), &ld, &td, (n, v, offset, valid))?;
-    c.compare("cross entropy: row max", &md, &m, 0.0)?;
-    c.compare("cross entropy: row Σ exp", &sed, &se, F32_TOL)?;
-    c.compare("cross entropy: target logit", &tld, &tl, 0.0)?;
-    let lse: Vec<f32> = m.iter().zip(&se).map(|(&a, &b)| a + b.ln() + 0.25).collect();
-    let scale = 1.0 / 123.0;
-    let mut d_cpu = logits.clone();
-    kernels::cross_entropy_bwd_inplace(&mut d_cpu, &lse, &targets, v, offset, valid, scale);
-    let mut dd = ld.clone();
-    gpu.ce_bwd_inplace(&mut dd, &gpu.upload(&lse)?, &td, (n, v, offset, valid), scale)?;
-    c.compare("cross entropy backward (in place)", &dd, &d_cpu, F32_TOL)
-}
-
-fn attention(c: &mut Checks, what: &str, q_pos: &[usize], k_pos: &[usize]) -> Result<(), String> {
-    use crate::model::attention::{attention_bwd, attention_fwd, AttnDims as CpuDims};
-    let gpu = c.gpu;
-    let dm = CpuDims { b: 2, h: 4, kv: 2, sq: q_pos.len(), sk: k_pos.len(), hd: 64 };
-    let (nq, nk) = (dm.b * dm.h * dm.sq * dm.hd, dm.b * dm.kv * dm.sk * dm.hd);
-    let (q, k, v, d_o) = (inputs(nq, 21), inputs(nk, 22), inputs(nk, 23), inputs(nq, 24));
-    let (mut o, mut lse) = (vec![0.0f32; nq], vec![0.0f32; nq / dm.hd]);
-    attention_fwd(&mut o, &mut lse, &q, &k, &v, q_pos, k_pos, dm);
-    let (mut dq, mut dk, mut dv) = (vec![0.0f32; nq], vec![0.0f32; nk], vec![0.0f32; nk]);
-    attention_bwd(&mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, &o, &lse, q_pos, k_pos, dm);
-
-    let gdm = AttnDims::new(dm)?;
-    let pos = |p: &[usize]| -> Vec<i32> { p.iter().map(|&x| x as i32).collect() };
-    let (qp, kp) = (gpu.upload(&pos(q_pos))?, gpu.upload(&pos(k_pos))?);
-    let (qd, kd, vd) = (gpu.upload(&q)?, gpu.upload(&k)?, gpu.upload(&v)?);
-    let (mut od, mut lsed) = (gpu.zeros(nq)?, gpu.zeros(nq / dm.hd)?);
-    gpu.attention_fwd(&mut od, &mut lsed, (&qd, &kd, &vd), &qp, &kp, gdm)?;
-    c.compare(format!("attention forward, {what}: o"), &od, &o, F32_TOL)?;
-    c.compare(format!("attention forward, {what}: lse"), &lsed, &lse, F32_TOL)?;
-    let (mut dqd, mut dkd, mut dvd, mut ddd) = (gpu.zeros(nq)?, gpu.zeros(nk)?, gpu.zeros(nk)?, gpu.zeros(nq / dm.hd)?);
-    // The backward reads the CPU's o and lse, so it is checked on its own.
-    let (o_ref, lse_ref) = (gpu.upload(&o)?, gpu.upload(&lse)?);
-    gpu.attention_bwd((&mut dqd, &mut dkd, &mut dvd, &mut ddd), &gpu.upload(&d_o)?, (&qd, &kd, &vd, &o_ref, &lse_ref), &qp, &kp, gdm)?;
-    c.compare(format!("attention backward, {what}: dq"), &dqd, &dq, F32_TOL)?;
-    c.compare(format!("attention backward, {what}: dk"), &dkd, &dk, F32_TOL)?;
-    c.compare(format!("attention backward, {what}: dv"), &dvd, &dv, F32_TOL)
-}
-
-/// Three AdamW steps of one decayed tensor, against `optim::AdamW`.
-fn adamw(c: &mut Checks) -> Result<(), String> {
-    let gpu = c.gpu;
-    let len = 100_003;
-    let cfg = crate::config::OptimCfg::default();
-    let mut opt = crate::optim::AdamW::<f32>::for_slots(&[(len, true)], &cfg);
-    let mut p_cpu = inputs(len, 8);
-    let (mut p, mut mm, mut vv) = (gpu.upload(&p_cpu)?, gpu.zeros(len)?, gpu.zeros(len)?);
-    for t in 1..=3u64 {
-        let grad = inputs(len, 100 + t);
-        let lr = 1e-3 * t as f64;
-        opt.step_slots(vec![&mut p_cpu[..]], &[&grad[..]], lr);
-        gpu.adamw(&mut p, &mut mm, &mut vv, &gpu.upload(&grad)?, t, lr, (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay))?;
+    fn cmp(&mut self, what: impl Into<String>, dev: &DevBuf<f32>, cpu: &[f32], tol: f64) {
+        let got = self.down(dev);
+        self.out.push(Check { what: what.into(), rel_err: rel_err(&got, cpu), tol });
     }
-    c.compare("adamw, 3 steps: parameters", &p, &p_cpu, F32_TOL)?;
-    let v_cpu = opt.exp_avg_sq[0].clone();
-    c.compare("adamw, 3 steps: exp_avg_sq", &vv, &v_cpu, F32_TOL)
+
+    fn scalar(&mut self, what: impl Into<String>, gpu: f64, cpu: f64, tol: f64) {
+        let rel_err = if gpu == cpu { 0.0 } else { (gpu - cpu).abs() / cpu.abs().max(f64::MIN_POSITIVE) };
+        self.out.push(Check { what: what.into(), rel_err: if rel_err.is_nan() { f64::INFINITY } else { rel_err }, tol });
+    }
+
+    /// The three linear-layer GEMMs, overwriting and accumulating, on shapes that are not
+    /// multiples of any tile.
+    fn gemms(&mut self) {
+        let (m, n, k) = (257, 384, 193);
+        let (x, w, dy) = (inputs(m * k, 1), inputs(n * k, 2), inputs(m * n, 3));
+        let (xd, wd, dyd) = (self.up(&x), self.up(&w), self.up(&dy));
+        for acc in [false, true] {
+            let init = inputs(m * n.max(k), 4);
+            let (mut y, mut yd) = (init[..m * n].to_vec(), self.up(&init[..m * n]));
+            self.cpu.linear_fwd(&mut y, &x, &w, m, n, k, acc);
+            self.gpu.linear_fwd(&mut yd, &xd, &wd, m, n, k, acc);
+            self.cmp(format!("linear_fwd [{m}×{k}]·[{n}×{k}]ᵀ (accumulate = {acc})"), &yd, &y, F32_TOL);
+            let (mut dx, mut dxd) = (init[..m * k].to_vec(), self.up(&init[..m * k]));
+            self.cpu.linear_bwd_input(&mut dx, &dy, &w, m, n, k, acc);
+            self.gpu.linear_bwd_input(&mut dxd, &dyd, &wd, m, n, k, acc);
+            self.cmp(format!("linear_bwd_input (accumulate = {acc})"), &dxd, &dx, F32_TOL);
+            let (mut dw, mut dwd) = (init[..n * k].to_vec(), self.up(&init[..n * k]));
+            self.cpu.linear_bwd_weight(&mut dw, &dy, &x, m, n, k, acc);
+            self.gpu.linear_bwd_weight(&mut dwd, &dyd, &xd, m, n, k, acc);
+            self.cmp(format!("linear_bwd_weight (accumulate = {acc})"), &dwd, &dw, F32_TOL);
+        }
+    }
+
+    /// bf16 operands: against the host's bf16 (the same rounded operands, f32 products exact,
+    /// another summation order) and against fp32.
+    fn bf16_gemms(&mut self) {
+        let (m, n, k) = (257, 384, 193);
+        let (x, w) = (inputs(m * k, 1), inputs(n * k, 2));
+        let (mut y16, mut y32, mut yd) = (vec![0.0; m * n], vec![0.0; m * n], self.gpu.zeros(m * n));
+        self.cpu.linear_fwd(&mut y16, &x, &w, m, n, k, false);
+        Cpu::default().linear_fwd(&mut y32, &x, &w, m, n, k, false);
+        self.gpu.linear_fwd(&mut yd, &self.up(&x), &self.up(&w), m, n, k, false);
+        self.cmp("bf16 linear_fwd vs the host's bf16 operands", &yd, &y16, F32_TOL);
+        self.cmp("bf16 linear_fwd vs fp32", &yd, &y32, BF16_TOL);
+    }
+
+    fn norms_and_elementwise(&mut self) {
+        let (rows, d, eps) = (64, 1000, 1e-5);
+        let (x, w, dy) = (inputs(rows * d, 3), inputs(d, 4), inputs(rows * d, 11));
+        let (xd, wd, dyd) = (self.up(&x), self.up(&w), self.up(&dy));
+        let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
+        let (mut yd, mut rd) = (self.gpu.zeros(rows * d), self.gpu.zeros(rows));
+        self.cpu.rmsnorm_fwd(&mut y, &mut r, &x, &w, d, eps);
+        self.gpu.rmsnorm_fwd(&mut yd, &mut rd, &xd, &wd, d, eps);
+        self.cmp("rmsnorm_fwd y", &yd, &y, F32_TOL);
+        self.cmp("rmsnorm_fwd rstd", &rd, &r, F32_TOL);
+        let rstd = self.up(&r);
+        for acc in [false, true] {
+            // dx starts from x (so accumulation shows), dw from w (dw always accumulates).
+            let (mut dx, mut dw) = (x.clone(), w.clone());
+            let (mut dxd, mut dwd) = (self.up(&x), self.up(&w));
+            self.cpu.rmsnorm_bwd(&mut dx, &mut dw, &dy, &x, &w, &r, d, acc);
+            self.gpu.rmsnorm_bwd(&mut dxd, &mut dwd, &dyd, &xd, &wd, &rstd, d, acc);
+            self.cmp(format!("rmsnorm_bwd dx (accumulate = {acc})"), &dxd, &dx, F32_TOL);
+            self.cmp(format!("rmsnorm_bwd dw (accumulate = {acc})"), &dwd, &dw, F32_TOL);
+        }
+
+        // RoPE at positions that are not 0..S (a context-parallel rank's zigzag positions).
+        let (b, s, nh, hd) = (2, 48, 3, 64);
+        let (cos, sin) = kernels::rope_tables::<f32>(&zigzag_positions(2 * s, 2, 1), hd, 500000.0);
+        let (cosd, sind) = (self.up(&cos), self.up(&sin));
+        let src = inputs(b * s * nh * hd, 12);
+        let srcd = self.up(&src);
+        for rotate in [true, false] {
+            let rope = rotate.then_some((&cos, &sin));
+            let rope_d = rotate.then_some((&cosd, &sind));
+            let (mut h, mut hd_) = (vec![0.0; src.len()], self.gpu.zeros(src.len()));
+            self.cpu.tokens_to_heads(&mut h, &src, b, s, nh, hd, rope);
+            self.gpu.tokens_to_heads(&mut hd_, &srcd, b, s, nh, hd, rope_d);
+            self.cmp(format!("tokens_to_heads (rope = {rotate})"), &hd_, &h, F32_TOL);
+            self.cpu.heads_to_tokens(&mut h, &src, b, s, nh, hd, rope);
+            self.gpu.heads_to_tokens(&mut hd_, &srcd, b, s, nh, hd, rope_d);
+            self.cmp(format!("heads_to_tokens, the backward (rope = {rotate})"), &hd_, &h, F32_TOL);
+        }
+
+        let len = 100_003;
+        let g: Vec<f32> = inputs(len, 5).iter().map(|x| 8.0 * x).collect();
+        let (u, dh) = (inputs(len, 6), inputs(len, 7));
+        let (gd, ud, dhd) = (self.up(&g), self.up(&u), self.up(&dh));
+        let (mut h, mut hdv) = (vec![0.0; len], self.gpu.zeros(len));
+        self.cpu.swiglu_fwd(&mut h, &g, &u);
+        self.gpu.swiglu_fwd(&mut hdv, &gd, &ud);
+        self.cmp("swiglu_fwd", &hdv, &h, F32_TOL);
+        let (mut dg, mut du, mut dgd, mut dud) = (vec![0.0; len], vec![0.0; len], self.gpu.zeros(len), self.gpu.zeros(len));
+        self.cpu.swiglu_bwd(&mut dg, &mut du, &dh, &g, &u);
+        self.gpu.swiglu_bwd(&mut dgd, &mut dud, &dhd, &gd, &ud);
+        self.cmp("swiglu_bwd dgate", &dgd, &dg, F32_TOL);
+        self.cmp("swiglu_bwd dup", &dud, &du, F32_TOL);
+        self.cpu.add_assign(&mut h, &u);
+        self.gpu.add_assign(&mut hdv, &ud);
+        self.cmp("add_assign", &hdv, &h, 0.0);
+        let (mut c, mut cd) = (u.clone(), self.gpu.zeros(len));
+        self.gpu.copy(&mut cd, &ud);
+        self.cmp("copy", &cd, &c, 0.0);
+        self.cpu.scale(&mut c, 0.37);
+        self.gpu.scale(&mut cd, 0.37);
+        self.cmp("scale", &cd, &c, 0.0);
+        self.cpu.fill(&mut c, f32::NEG_INFINITY);
+        self.gpu.fill(&mut cd, f32::NEG_INFINITY);
+        self.cmp("fill (−∞)", &cd, &c, 0.0);
+    }
+
+    /// A vocabulary-parallel rank's rows [1000, 1029) of a padded table of 32 rows, ids that
+    /// repeat (their gradients add in token order, bit for bit) and ids outside those rows.
+    fn embedding(&mut self) {
+        let (n, d, offset, valid) = (300, 96, 1000, 29);
+        let ids: Vec<u32> = (0..n as u32).map(|i| 990 + (i * 7919) % 45).collect();
+        let table = inputs(32 * d, 30);
+        let dx = inputs(n * d, 31);
+        let (mut idsc, mut idsd) = (vec![], Default::default());
+        Backend::<f32>::set_ids(&self.cpu, &mut idsc, &ids);
+        self.gpu.set_ids(&mut idsd, &ids);
+        let (mut x, mut xd) = (vec![0.0; n * d], self.gpu.zeros(n * d));
+        self.cpu.embed_fwd(&mut x, &table, &idsc, offset, valid, d);
+        self.gpu.embed_fwd(&mut xd, &self.up(&table), &idsd, offset, valid, d);
+        self.cmp("embed_fwd (vocabulary-parallel rows)", &xd, &x, 0.0);
+        let mut dt = table.clone();
+        let mut dtd = self.up(&table);
+        self.cpu.embed_bwd(&mut dt, &dx, &idsc, offset, valid, d);
+        self.gpu.embed_bwd(&mut dtd, &self.up(&dx), &idsd, offset, valid, d);
+        self.cmp("embed_bwd (repeated ids, token order)", &dtd, &dt, 0.0);
+    }
+
+    /// A vocabulary-parallel piece: this rank holds rows [offset, offset + valid) of a
+    /// vocabulary, padded to `v` columns; some targets fall outside it.
+    fn cross_entropy(&mut self) {
+        let (n, v, offset, valid) = (77, 1040, 1000, 1029);
+        let logits: Vec<f32> = inputs(n * v, 13).iter().map(|x| 6.0 * x).collect();
+        let targets: Vec<u32> = (0..n as u32).map(|i| (i * 397) % 2100).collect();
+        let ld = self.up(&logits);
+        let (mut tc, mut td) = (vec![], Default::default());
+        Backend::<f32>::set_ids(&self.cpu, &mut tc, &targets);
+        self.gpu.set_ids(&mut td, &targets);
+        let (mut m, mut s, mut t) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        let (mut md, mut sd, mut tdv) = (self.gpu.zeros(n), self.gpu.zeros(n), self.gpu.zeros(n));
+        self.cpu.ce_row_max(&mut m, &logits, v, valid);
+        self.gpu.ce_row_max(&mut md, &ld, v, valid);
+        self.cmp("cross entropy: row max", &md, &m, 0.0);
+        self.cpu.ce_row_sum_exp(&mut s, &logits, &m, v, valid);
+        self.gpu.ce_row_sum_exp(&mut sd, &ld, &md, v, valid);
+        self.cmp("cross entropy: row Σ exp", &sd, &s, F32_TOL);
+        self.cpu.ce_target_logit(&mut t, &logits, &tc, v, offset, valid);
+        self.gpu.ce_target_logit(&mut tdv, &ld, &td, v, offset, valid);
+        self.cmp("cross entropy: target logit", &tdv, &t, 0.0);
+        let loss = self.cpu.ce_finish(&mut s, &m, &t);
+        let loss_d = self.gpu.ce_finish(&mut sd, &md, &tdv);
+        self.cmp("cross entropy: log-sum-exp", &sd, &s, F32_TOL);
+        self.scalar("cross entropy: summed loss", loss_d, loss, F32_TOL);
+        let scale = 1.0 / 123.0;
+        let (mut dl, mut dld) = (logits.clone(), self.up(&logits));
+        self.cpu.ce_bwd_inplace(&mut dl, &s, &tc, v, offset, valid, scale);
+        self.gpu.ce_bwd_inplace(&mut dld, &sd, &td, v, offset, valid, scale);
+        self.cmp("cross entropy backward (in place)", &dld, &dl, F32_TOL);
+    }
+
+    fn attention(&mut self, what: &str, q_pos: &[usize], k_pos: &[usize]) {
+        let dm = AttnDims { b: 2, h: 4, kv: 2, sq: q_pos.len(), sk: k_pos.len(), hd: 64 };
+        let (nq, nk) = (dm.b * dm.h * dm.sq * dm.hd, dm.b * dm.kv * dm.sk * dm.hd);
+        let (q, k, v, d_o) = (inputs(nq, 21), inputs(nk, 22), inputs(nk, 23), inputs(nq, 24));
+        let (qd, kd, vd, dod) = (self.up(&q), self.up(&k), self.up(&v), self.up(&d_o));
+        let (mut qp, mut kp, mut qpd, mut kpd) = (vec![], vec![], Default::default(), Default::default());
+        Backend::<f32>::set_positions(&self.cpu, &mut qp, q_pos);
+        Backend::<f32>::set_positions(&self.cpu, &mut kp, k_pos);
+        self.gpu.set_positions(&mut qpd, q_pos);
+        self.gpu.set_positions(&mut kpd, k_pos);
+        let (mut o, mut lse) = (vec![0.0; nq], vec![0.0; nq / dm.hd]);
+        let (mut od, mut lsed) = (self.gpu.zeros(nq), self.gpu.zeros(nq / dm.hd));
+        self.cpu.attention_fwd(&mut o, &mut lse, &q, &k, &v, &qp, &kp, dm);
+        self.gpu.attention_fwd(&mut od, &mut lsed, &qd, &kd, &vd, &qpd, &kpd, dm);
+        self.cmp(format!("attention forward, {what}: o"), &od, &o, F32_TOL);
+        self.cmp(format!("attention forward, {what}: lse"), &lsed, &lse, F32_TOL);
+        // The backward reads the host's o and lse, so it is checked on its own.
+        let (oh, lseh) = (self.up(&o), self.up(&lse));
+        let (mut dq, mut dk, mut dv) = (vec![0.0; nq], vec![0.0; nk], vec![0.0; nk]);
+        let (mut dqd, mut dkd, mut dvd) = (self.gpu.zeros(nq), self.gpu.zeros(nk), self.gpu.zeros(nk));
+        self.cpu.attention_bwd(&mut dq, &mut dk, &mut dv, &d_o, &q, &k, &v, &o, &lse, &qp, &kp, dm);
+        self.gpu.attention_bwd(&mut dqd, &mut dkd, &mut dvd, &dod, &qd, &kd, &vd, &oh, &lseh, &qpd, &kpd, dm);
+        self.cmp(format!("attention backward, {what}: dq"), &dqd, &dq, F32_TOL);
+        self.cmp(format!("attention backward, {what}: dk"), &dkd, &dk, F32_TOL);
+        self.cmp(format!("attention backward, {what}: dv"), &dvd, &dv, F32_TOL);
+        // Merging this block's result into a running one (ring attention's online softmax).
+        let (o0, lse0): (Vec<f32>, Vec<f32>) = (
+            inputs(nq, 25),
+            inputs(nq / dm.hd, 26).iter().enumerate().map(|(i, &x)| if i % 5 == 0 { f32::NEG_INFINITY } else { 3.0 * x }).collect(),
+        );
+        let (mut om, mut lm, mut omd, mut lmd) = (o0.clone(), lse0.clone(), self.up(&o0), self.up(&lse0));
+        self.cpu.attention_merge(&mut om, &mut lm, &o, &lse, dm.hd);
+        self.gpu.attention_merge(&mut omd, &mut lmd, &oh, &lseh, dm.hd);
+        self.cmp(format!("attention merge, {what}: o"), &omd, &om, F32_TOL);
+        self.cmp(format!("attention merge, {what}: lse"), &lmd, &lm, F32_TOL);
+    }
+
+    /// Three AdamW steps of a decayed and an undecayed tensor, and the gradient's Σ x².
+    fn optimiser(&mut self) {
+        let len = 100_003;
+        let cfg = crate::config::OptimCfg::default();
+        for decayed in [true, false] {
+            let mut p = inputs(len, 8);
+            let (mut m, mut v) = (vec![0.0; len], vec![0.0; len]);
+            let (mut pd, mut md, mut vd) = (self.up(&p), self.gpu.zeros(len), self.gpu.zeros(len));
+            for t in 1..=3u64 {
+                let g = inputs(len, 100 + t);
+                let step = AdamStep::new(t, 1e-3 * t as f64, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decayed);
+                self.cpu.adamw(&mut p, &mut m, &mut v, &g, &step);
+                self.gpu.adamw(&mut pd, &mut md, &mut vd, &self.up(&g), &step);
+            }
+            self.cmp(format!("adamw, 3 steps (decayed = {decayed}): parameters"), &pd, &p, F32_TOL);
+            self.cmp(format!("adamw, 3 steps (decayed = {decayed}): exp_avg_sq"), &vd, &v, F32_TOL);
+        }
+        let g = inputs(3_000_017, 9);
+        let (a, b) = (self.cpu.sum_sq(&g), self.gpu.sum_sq(&self.up(&g)));
+        self.scalar("Σ x² (the gradient norm), f64", b, a, 1e-12);
+    }
+
+    /// One micro-batch forward and backward of a two-block model (GQA, untied head, a
+    /// vocabulary that is not a multiple of anything) on both backends, from the same seeded
+    /// weights: the loss and every parameter's gradient.
+    fn model(&mut self, ckpt: ActCkpt) {
+        let cfg = ModelCfg {
+            vocab_size: 1000,
+            d_model: 256,
+            n_layers: 2,
+            n_heads: 8,
+            n_kv_heads: 2,
+            ffn_hidden: 688,
+            max_seq_len: 256,
+            ..ModelCfg::default()
+        };
+        let (b, s) = (2, 128);
+        let host = ModelParams::<f32>::init(&cfg, 7);
+        let inputs_: Vec<u32> = (0..(b * s) as u32).map(|i| (i * 7919 + 13) % 1000).collect();
+        let targets: Vec<u32> = (0..(b * s) as u32).map(|i| (i * 104729 + 5) % 1000).collect();
+        let positions: Vec<usize> = (0..s).collect();
+        let tok = Tokens { inputs: &inputs_, targets: &targets, positions: &positions, batch: b, seq: s };
+        let scale = 1.0 / (b * s) as f32;
+
+        let mut cpu_model = Model::<f32, Cpu>::on(self.cpu, Dims::full(&cfg), ckpt, false);
+        let mut cpu_grads = ModelParams::<f32>::zeros(&cfg);
+        let loss = cpu_model.forward_with(&mut &host, &tok, Par::single());
+        cpu_model.backward_with(&mut &host, &mut cpu_grads, scale, Par::single());
+
+        let dev = host.map(|t| self.up(t));
+        let mut dev_grads = host.map(|t| self.gpu.zeros(t.len()));
+        let mut gpu_model = Model::<f32, GpuBackend>::on(self.gpu.clone(), Dims::full(&cfg), ckpt, false);
+        let par = Par { tp: &Alone, cp: &Alone };
+        let loss_d = gpu_model.forward_with(&mut &dev, &tok, par);
+        gpu_model.backward_with(&mut &dev, &mut dev_grads, scale, par);
+
+        let precision = self.cpu.precision;
+        let tag = format!("model fwd+bwd ({precision:?}, checkpointing {})", ckpt.name());
+        self.scalar(format!("{tag}: loss"), loss_d, loss, F32_TOL);
+        let names = crate::model::params::param_specs(&cfg);
+        let worst = dev_grads
+            .tensors()
+            .iter()
+            .zip(cpu_grads.tensors())
+            .zip(&names)
+            .map(|((d, c), spec)| (rel_err(&self.down(d), c), spec.name.clone()))
+            .fold((0.0f64, String::new()), |a, b| if b.0 > a.0 { b } else { a });
+        self.out.push(Check { what: format!("{tag}: every gradient (worst: {})", worst.1), rel_err: worst.0, tol: MODEL_TOL });
+    }
 }
 
 /// An NCCL all-reduce over `group` against the sum every rank can compute: rank `r` sends

@@ -37,6 +37,17 @@ __device__ float block_sum(float s, float* scratch) {
     return warp_sum(s);
 }
 
+__device__ double block_sum_d(double s, double* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    s = lane < warps ? scratch[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+    return s;
+}
+
 __device__ float block_max(float s, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
     s = warp_max(s);
@@ -150,10 +161,8 @@ extern "C" __global__ void add_assign(float* dst, const float* src, long long n)
 // ---- Cross entropy over a (vocabulary-parallel) row of logits ----------------------------
 // (model::kernels::row_max, row_sum_exp, target_logit, cross_entropy_bwd_inplace)
 
-// One block per row of logits [N, v]: its max and Σ exp(x − max) over the first `valid`
-// columns, and the target's logit where this rank holds the target's row (else 0).
-extern "C" __global__ void ce_row_stats(float* m, float* sum_exp, float* t_logit, const float* logits, const unsigned int* targets,
-                                        int n, int v, int offset, int valid) {
+// One block per row of logits [N, v]: the maximum over the first `valid` columns.
+extern "C" __global__ void ce_row_max(float* m, const float* logits, int n, int v, int valid) {
     __shared__ float scratch[32];
     int row = blockIdx.x;
     if (row >= n) return;
@@ -161,15 +170,35 @@ extern "C" __global__ void ce_row_stats(float* m, float* sum_exp, float* t_logit
     float mx = NEG_INF;
     for (int j = threadIdx.x; j < valid; j += blockDim.x) mx = fmaxf(mx, x[j]);
     mx = block_max(mx, scratch);
-    float s = 0.0f;
+    if (threadIdx.x == 0) m[row] = mx;
+}
+
+// One block per row: Σ exp(x − m[row]) over the first `valid` columns (m may be the maximum
+// over the whole vocabulary, reduced across tensor-parallel ranks).
+extern "C" __global__ void ce_row_sum_exp(float* sum_exp, const float* logits, const float* m, int n, int v, int valid) {
+    __shared__ float scratch[32];
+    int row = blockIdx.x;
+    if (row >= n) return;
+    const float* x = logits + (size_t)row * v;
+    float mx = m[row], s = 0.0f;
     for (int j = threadIdx.x; j < valid; j += blockDim.x) s += expf(x[j] - mx);
     s = block_sum(s, scratch);
-    if (threadIdx.x == 0) {
-        m[row] = mx;
-        sum_exp[row] = s;
-        unsigned int local = targets[row] - (unsigned int)offset;
-        t_logit[row] = local < (unsigned int)valid ? x[local] : 0.0f;
-    }
+    if (threadIdx.x == 0) sum_exp[row] = s;
+}
+
+// One thread per row: the target's logit where this rank holds the target's row, else 0.
+extern "C" __global__ void ce_target_logit(float* t_logit, const float* logits, const unsigned int* targets, int n, int v, int offset,
+                                           int valid) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= n) return;
+    unsigned int local = targets[row] - (unsigned int)offset;
+    t_logit[row] = local < (unsigned int)valid ? logits[(size_t)row * v + local] : 0.0f;
+}
+
+// In place: the row sums of exponentials become log-sum-exps, lse = m + log(Σ exp).
+extern "C" __global__ void ce_finish(float* lse, const float* m, int n) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row < n) lse[row] = m[row] + logf(lse[row]);
 }
 
 // In place: logits become scale · (softmax − onehot), lse [N] over the whole vocabulary;
@@ -311,6 +340,83 @@ extern "C" __global__ void attn_bwd_dkv(float* dk, float* dv, const float* q, co
         int e = lane + c * WARP;
         if (e < dm.hd) { dk[row * dm.hd + e] = dk_acc[c]; dv[row * dm.hd + e] = dv_acc[c]; }
     }
+}
+
+// Online-softmax merge of a partial result over one block of keys into the running (o, lse)
+// (model::attention::merge_partial): one warp per row of [rows, hd]. A row whose partial saw
+// no key (lse_part = −∞) keeps its running result.
+extern "C" __global__ void attn_merge(float* o, float* lse, const float* o_part, const float* lse_part, long long rows, int hd) {
+    int lane = threadIdx.x & 31;
+    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (row >= rows) return;
+    float l = lse[row], lp = lse_part[row];
+    if (lp == NEG_INF) return;
+    float* orow = o + row * hd;
+    const float* prow = o_part + row * hd;
+    float a = 0.0f, b = 1.0f, nw = lp;
+    if (l != NEG_INF) {
+        float mx = fmaxf(l, lp);
+        nw = mx + logf(expf(l - mx) + expf(lp - mx));
+        a = expf(l - nw);
+        b = expf(lp - nw);
+    }
+    for (int e = lane; e < hd; e += WARP) orow[e] = l == NEG_INF ? prow[e] : orow[e] * a + prow[e] * b;
+    // Every lane has read lse[row] before it is overwritten.
+    __syncwarp();
+    if (lane == 0) lse[row] = nw;
+}
+
+// ---- Embedding (a vocabulary-parallel rank's rows) -------------------------------------
+
+// x [n, d] = the table rows `ids − offset` this rank holds, else 0: one thread per element.
+extern "C" __global__ void embed_fwd(float* x, const float* table, const unsigned int* ids, long long n, int d, int offset, int valid) {
+    long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n * d) return;
+    long long row = e / d;
+    int j = (int)(e % d);
+    unsigned int local = ids[row] - (unsigned int)offset;
+    x[e] = local < (unsigned int)valid ? table[(size_t)local * d + j] : 0.0f;
+}
+
+// dtable[id − offset] += dx of every token with that id, in token order (the CPU's order, so
+// the sums agree bit for bit): one block per distinct id, whose tokens are
+// order[starts[u] .. starts[u + 1]] (the host sorts the ids once per micro-batch).
+extern "C" __global__ void embed_bwd(float* dtable, const float* dx, const unsigned int* uniq, const int* starts, const int* order, int d,
+                                     int offset, int valid) {
+    int u = blockIdx.x;
+    unsigned int local = uniq[u] - (unsigned int)offset;
+    if (local >= (unsigned int)valid) return;
+    float* g = dtable + (size_t)local * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float acc = g[j];
+        for (int t = starts[u]; t < starts[u + 1]; t++) acc += dx[(size_t)order[t] * d + j];
+        g[j] = acc;
+    }
+}
+
+// ---- Buffers and the gradient norm --------------------------------------------------------
+
+extern "C" __global__ void fill_f32(float* x, float v, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = v;
+}
+
+extern "C" __global__ void scale_f32(float* x, float c, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= c;
+}
+
+// Σ x² in f64: each block sums a grid-stride share and writes its partial; the host adds the
+// partials in block order (a fixed grid, so the result is deterministic).
+extern "C" __global__ void sum_sq_partial(double* partials, const float* x, long long n) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        double v = x[i];
+        s += v * v;
+    }
+    s = block_sum_d(s, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
 // ---- AdamW (optim::AdamW, PyTorch's semantics) --------------------------------------------

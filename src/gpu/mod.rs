@@ -14,6 +14,7 @@
 //! without CUDA; where a library is missing, [`Gpu::open`] returns an error that names it
 //! instead of letting `cudarc` panic.
 
+pub mod backend;
 pub mod check;
 
 use crate::comm::Group;
@@ -32,7 +33,7 @@ use std::sync::Arc;
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points of [`SOURCE`], loaded by name at start.
-pub const KERNELS: [&str; 17] = [
+pub const KERNELS: [&str; 26] = [
     "rmsnorm_fwd",
     "rmsnorm_bwd_dx",
     "rmsnorm_bwd_dw",
@@ -41,12 +42,21 @@ pub const KERNELS: [&str; 17] = [
     "swiglu_fwd",
     "swiglu_bwd",
     "add_assign",
-    "ce_row_stats",
+    "ce_row_max",
+    "ce_row_sum_exp",
+    "ce_target_logit",
+    "ce_finish",
     "ce_bwd_inplace",
     "attn_fwd",
     "attn_bwd_rowdot",
     "attn_bwd_dq",
     "attn_bwd_dkv",
+    "attn_merge",
+    "embed_fwd",
+    "embed_bwd",
+    "fill_f32",
+    "scale_f32",
+    "sum_sq_partial",
     "adamw",
     "f32_to_bf16",
     "bf16_to_f32",
@@ -166,7 +176,7 @@ pub struct Gpu {
 
 /// Launch configurations.
 fn elementwise(n: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((n as u32).div_ceil(BLOCK), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig { grid_dim: (n.div_ceil(BLOCK as usize) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
 fn per_row(rows: usize) -> LaunchConfig {
@@ -174,7 +184,7 @@ fn per_row(rows: usize) -> LaunchConfig {
 }
 
 fn warp_per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((rows as u32).div_ceil(ATTN_WARPS), 1, 1), block_dim: (32 * ATTN_WARPS, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig { grid_dim: (rows.div_ceil(ATTN_WARPS as usize) as u32, 1, 1), block_dim: (32 * ATTN_WARPS, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// Buffer-size preconditions of a launch: the kernels index by the sizes they are given.
@@ -183,6 +193,24 @@ fn need(what: &str, ok: bool) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("{what}: a buffer is smaller than the sizes passed"))
+    }
+}
+
+/// The column-major cuBLAS call that computes the row-major `c [m, n] = op(a) · op(b) + beta·c`
+/// as `cᵀ = op(b)ᵀ · op(a)ᵀ` (its `A` is our `b`, its `B` our `a`).
+fn gemm_config(m: usize, n: usize, k: usize, (ta, tb): (bool, bool), beta: f32) -> GemmConfig<f32> {
+    let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+    GemmConfig {
+        transa: op(tb),
+        transb: op(ta),
+        m: n as i32,
+        n: m as i32,
+        k: k as i32,
+        alpha: 1.0f32,
+        lda: if tb { k } else { n } as i32,
+        ldb: if ta { m } else { k } as i32,
+        beta,
+        ldc: n as i32,
     }
 }
 
@@ -216,6 +244,10 @@ impl Gpu {
     }
 
     fn launch(what: &str, mut l: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<(), String> {
+        // Nothing to do for empty tensors (CUDA refuses a grid of 0 blocks).
+        if cfg.grid_dim.0 == 0 {
+            return Ok(());
+        }
         // SAFETY: every caller pushes the arguments of the kernel it names, in its order and
         // with its types, and has checked the buffers against the sizes it passes.
         unsafe { l.launch(cfg) }.map(|_| ()).map_err(err(what))
@@ -233,49 +265,45 @@ impl Gpu {
         self.stream.alloc_zeros::<T>(n).map_err(err("allocating on the GPU"))
     }
 
-    /// Row-major `c [m, n] = a [m, k] · b [k, n]` through cuBLAS (column-major, so it computes
-    /// `cᵀ = bᵀ · aᵀ`, which is the same memory).
-    pub fn matmul(
+    /// Row-major `c [m, n] = op(a) · op(b) + beta · c` through cuBLAS in fp32, `op` a
+    /// transpose where `trans` says (`a` is stored `[m, k]`, or `[k, m]` when transposed; `b`
+    /// `[k, n]` or `[n, k]`). cuBLAS is column-major, so it computes `cᵀ = op(b)ᵀ · op(a)ᵀ`,
+    /// which is the same memory.
+    pub fn gemm(
         &self,
         c: &mut CudaSlice<f32>,
         a: &CudaSlice<f32>,
         b: &CudaSlice<f32>,
-        m: usize,
-        n: usize,
-        k: usize,
+        (m, n, k): (usize, usize, usize),
+        trans: (bool, bool),
+        beta: f32,
     ) -> Result<(), String> {
-        need("matmul", b.len() >= k * n && a.len() >= m * k && c.len() >= m * n)?;
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_N,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: n as i32,
-            n: m as i32,
-            k: k as i32,
-            alpha: 1.0f32,
-            lda: n as i32,
-            ldb: k as i32,
-            beta: 0.0f32,
-            ldc: n as i32,
-        };
-        // SAFETY: the slices hold k·n, m·k and m·n elements (checked), as the config says.
+        need("gemm", a.len() >= m * k && b.len() >= k * n && c.len() >= m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let cfg = gemm_config(m, n, k, trans, beta);
+        // SAFETY: the slices hold m·k, k·n and m·n elements (checked), as the config says.
         unsafe { self.blas.gemm(cfg, b, a, c) }.map_err(|e| format!("cuBLAS sgemm: {e:?}"))
     }
 
-    /// Mixed precision: row-major `c [m, n] (f32) = a [m, k] · b [k, n]` with `a`, `b` in bf16
-    /// (bit patterns in `u16`) and f32 accumulation (`cublasGemmEx`, tensor cores where the
-    /// GPU has them).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_bf16(
+    /// [`Gpu::gemm`] with bf16 operands (bit patterns in `u16`), f32 accumulation and output
+    /// (`cublasGemmEx`, tensor cores): mixed precision.
+    pub fn gemm_bf16(
         &self,
         c: &mut CudaSlice<f32>,
         a: &CudaSlice<u16>,
         b: &CudaSlice<u16>,
-        m: usize,
-        n: usize,
-        k: usize,
+        (m, n, k): (usize, usize, usize),
+        trans: (bool, bool),
+        beta: f32,
     ) -> Result<(), String> {
-        need("matmul_bf16", b.len() >= k * n && a.len() >= m * k && c.len() >= m * n)?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        need("gemm_bf16", a.len() >= m * k && b.len() >= k * n && c.len() >= m * n)?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let cfg = gemm_config(m, n, k, trans, beta);
+        let alpha = 1.0f32;
         let (pa, _ra) = a.device_ptr(&self.stream);
         let (pb, _rb) = b.device_ptr(&self.stream);
         let (pc, _rc) = c.device_ptr_mut(&self.stream);
@@ -284,22 +312,22 @@ impl Gpu {
         unsafe {
             cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_N,
-                cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                m as i32,
-                k as i32,
+                cfg.transa,
+                cfg.transb,
+                cfg.m,
+                cfg.n,
+                cfg.k,
                 (&alpha) as *const f32 as *const _,
                 pb as *const _,
                 cudaDataType::CUDA_R_16BF,
-                n as i32,
+                cfg.lda,
                 pa as *const _,
                 cudaDataType::CUDA_R_16BF,
-                k as i32,
-                (&beta) as *const f32 as *const _,
+                cfg.ldb,
+                (&cfg.beta) as *const f32 as *const _,
                 pc as *mut _,
                 cudaDataType::CUDA_R_32F,
-                n as i32,
+                cfg.ldc,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -410,25 +438,53 @@ impl Gpu {
         Self::launch("add_assign", l, elementwise(n as usize))
     }
 
-    /// Cross-entropy statistics of each row of `logits [n, v]` over its first `valid` columns:
-    /// max, Σ exp(x − max), and the target's logit where `offset ≤ target < offset + valid`
-    /// (`row_max`, `row_sum_exp`, `target_logit` of `model::kernels`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn ce_row_stats(
+    /// Each row's maximum over its first `valid` columns (`model::kernels::row_max`).
+    pub fn ce_row_max(&self, m: &mut CudaSlice<f32>, logits: &CudaSlice<f32>, (n, v, valid): (usize, usize, usize)) -> Result<(), String> {
+        need("ce_row_max", logits.len() >= n * v && m.len() >= n && valid <= v)?;
+        let (n32, v32, va32) = (n as i32, v as i32, valid as i32);
+        let mut l = self.launcher("ce_row_max");
+        l.arg(m).arg(logits).arg(&n32).arg(&v32).arg(&va32);
+        Self::launch("ce_row_max", l, per_row(n))
+    }
+
+    /// `s = Σ exp(logits − m)` over the valid columns (`model::kernels::row_sum_exp`).
+    pub fn ce_row_sum_exp(
         &self,
-        (m, sum_exp, t_logit): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
+        s: &mut CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        m: &CudaSlice<f32>,
+        (n, v, valid): (usize, usize, usize),
+    ) -> Result<(), String> {
+        need("ce_row_sum_exp", logits.len() >= n * v && m.len() >= n && s.len() >= n && valid <= v)?;
+        let (n32, v32, va32) = (n as i32, v as i32, valid as i32);
+        let mut l = self.launcher("ce_row_sum_exp");
+        l.arg(s).arg(logits).arg(m).arg(&n32).arg(&v32).arg(&va32);
+        Self::launch("ce_row_sum_exp", l, per_row(n))
+    }
+
+    /// The target's logit where `offset ≤ target < offset + valid`, else 0 (`target_logit`).
+    pub fn ce_target_logit(
+        &self,
+        t: &mut CudaSlice<f32>,
         logits: &CudaSlice<f32>,
         targets: &CudaSlice<u32>,
         (n, v, offset, valid): (usize, usize, usize, usize),
     ) -> Result<(), String> {
-        need(
-            "ce_row_stats",
-            logits.len() >= n * v && targets.len() >= n && m.len() >= n && sum_exp.len() >= n && t_logit.len() >= n && valid <= v,
-        )?;
+        need("ce_target_logit", logits.len() >= n * v && targets.len() >= n && t.len() >= n && valid <= v)?;
         let (n32, v32, o32, va32) = (n as i32, v as i32, offset as i32, valid as i32);
-        let mut l = self.launcher("ce_row_stats");
-        l.arg(m).arg(sum_exp).arg(t_logit).arg(logits).arg(targets).arg(&n32).arg(&v32).arg(&o32).arg(&va32);
-        Self::launch("ce_row_stats", l, per_row(n))
+        let mut l = self.launcher("ce_target_logit");
+        l.arg(t).arg(logits).arg(targets).arg(&n32).arg(&v32).arg(&o32).arg(&va32);
+        Self::launch("ce_target_logit", l, elementwise(n))
+    }
+
+    /// In place `lse = m + ln(lse)`.
+    pub fn ce_finish(&self, lse: &mut CudaSlice<f32>, m: &CudaSlice<f32>) -> Result<(), String> {
+        let n = lse.len();
+        need("ce_finish", m.len() >= n)?;
+        let n32 = n as i32;
+        let mut l = self.launcher("ce_finish");
+        l.arg(lse).arg(m).arg(&n32);
+        Self::launch("ce_finish", l, elementwise(n))
     }
 
     /// In place: `logits` become `scale · (softmax − onehot)` (`cross_entropy_bwd_inplace`).
@@ -511,34 +567,115 @@ impl Gpu {
         Self::launch("attn_bwd_dkv", l, warp_per_row(kr))
     }
 
-    /// One AdamW update of one tensor, the coefficients computed as `optim::AdamW` does.
-    #[allow(clippy::too_many_arguments)]
+    /// One AdamW update of one tensor with the coefficients `optim::AdamW` computes.
     pub fn adamw(
         &self,
         p: &mut CudaSlice<f32>,
         m: &mut CudaSlice<f32>,
         v: &mut CudaSlice<f32>,
         g: &CudaSlice<f32>,
-        t: u64,
-        lr: f64,
-        (beta1, beta2, eps, weight_decay): (f64, f64, f64, f64),
+        step: &crate::backend::AdamStep,
     ) -> Result<(), String> {
         let n = p.len();
         need("adamw", m.len() >= n && v.len() >= n && g.len() >= n)?;
-        let bc1 = 1.0 - beta1.powi(t as i32);
-        let bc2 = 1.0 - beta2.powi(t as i32);
-        let (decay, b1, b2) = ((1.0 - lr * weight_decay) as f32, beta1 as f32, beta2 as f32);
-        let (step_size, bc2_sqrt, eps) = ((lr / bc1) as f32, bc2.sqrt() as f32, eps as f32);
+        let (decay, b1, b2) = (step.decay as f32, step.b1 as f32, step.b2 as f32);
+        let (step_size, bc2_sqrt, eps) = (step.step_size as f32, step.bc2_sqrt as f32, step.eps as f32);
         let n64 = n as i64;
         let mut l = self.launcher("adamw");
         l.arg(p).arg(m).arg(v).arg(g).arg(&n64).arg(&decay).arg(&b1).arg(&b2).arg(&step_size).arg(&bc2_sqrt).arg(&eps);
         Self::launch("adamw", l, elementwise(n))
     }
 
+    /// Online-softmax merge of `(o_part, lse_part)` into `(o, lse)` (`merge_partial`).
+    pub fn attn_merge(
+        &self,
+        o: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+        o_part: &CudaSlice<f32>,
+        lse_part: &CudaSlice<f32>,
+        hd: usize,
+    ) -> Result<(), String> {
+        let rows = lse.len();
+        need("attn_merge", o.len() >= rows * hd && o_part.len() >= rows * hd && lse_part.len() >= rows)?;
+        let (rows64, hd32) = (rows as i64, hd as i32);
+        let mut l = self.launcher("attn_merge");
+        l.arg(o).arg(lse).arg(o_part).arg(lse_part).arg(&rows64).arg(&hd32);
+        Self::launch("attn_merge", l, warp_per_row(rows))
+    }
+
+    /// `x [n, d] =` the rows `ids − offset` of `table` this rank holds, else 0.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_fwd(
+        &self,
+        x: &mut CudaSlice<f32>,
+        table: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+        (n, d, offset, valid): (usize, usize, usize, usize),
+    ) -> Result<(), String> {
+        need("embed_fwd", x.len() >= n * d && ids.len() >= n && table.len() >= valid * d)?;
+        let (n64, d32, o32, va32) = (n as i64, d as i32, offset as i32, valid as i32);
+        let mut l = self.launcher("embed_fwd");
+        l.arg(x).arg(table).arg(ids).arg(&n64).arg(&d32).arg(&o32).arg(&va32);
+        Self::launch("embed_fwd", l, elementwise(n * d))
+    }
+
+    /// `dtable[uniq[u] − offset] += Σ dx[order[starts[u]..starts[u+1]]]`, in token order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed_bwd(
+        &self,
+        dtable: &mut CudaSlice<f32>,
+        dx: &CudaSlice<f32>,
+        (uniq, starts, order): (&CudaSlice<u32>, &CudaSlice<i32>, &CudaSlice<i32>),
+        (d, offset, valid): (usize, usize, usize),
+    ) -> Result<(), String> {
+        let u = uniq.len();
+        need("embed_bwd", starts.len() > u && dtable.len() >= valid * d && dx.len() >= order.len() * d)?;
+        let (d32, o32, va32) = (d as i32, offset as i32, valid as i32);
+        let mut l = self.launcher("embed_bwd");
+        l.arg(dtable).arg(dx).arg(uniq).arg(starts).arg(order).arg(&d32).arg(&o32).arg(&va32);
+        Self::launch("embed_bwd", l, per_row(u))
+    }
+
+    pub fn fill(&self, x: &mut CudaSlice<f32>, v: f32) -> Result<(), String> {
+        let n = x.len() as i64;
+        let mut l = self.launcher("fill_f32");
+        l.arg(x).arg(&v).arg(&n);
+        Self::launch("fill_f32", l, elementwise(n as usize))
+    }
+
+    pub fn scale(&self, x: &mut CudaSlice<f32>, c: f32) -> Result<(), String> {
+        let n = x.len() as i64;
+        let mut l = self.launcher("scale_f32");
+        l.arg(x).arg(&c).arg(&n);
+        Self::launch("scale_f32", l, elementwise(n as usize))
+    }
+
+    /// `Σ x²` in f64: per-block partials on the GPU, added in block order here.
+    pub fn sum_sq(&self, x: &CudaSlice<f32>, partials: &mut CudaSlice<f64>) -> Result<f64, String> {
+        let n = x.len();
+        let blocks = partials.len().min(n.div_ceil(BLOCK as usize)).max(1);
+        let n64 = n as i64;
+        let mut l = self.launcher("sum_sq_partial");
+        l.arg(&mut *partials).arg(x).arg(&n64);
+        Self::launch("sum_sq_partial", l, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 })?;
+        let host = self.download(partials)?;
+        Ok(host[..blocks].iter().sum())
+    }
+
     /// f32 → bf16 (round to nearest even), for the bf16 operands of mixed precision.
     pub fn to_bf16(&self, dst: &mut CudaSlice<u16>, src: &CudaSlice<f32>) -> Result<(), String> {
         need("to_bf16", src.len() >= dst.len())?;
         let n = dst.len() as i64;
+        let mut l = self.launcher("f32_to_bf16");
+        l.arg(dst).arg(src).arg(&n);
+        Self::launch("f32_to_bf16", l, elementwise(n as usize))
+    }
+
+    /// The first `src.len()` elements of `dst` become `src` in bf16 (`dst` may be longer: a
+    /// scratch sized for the largest operand).
+    pub fn to_bf16_prefix(&self, dst: &mut CudaSlice<u16>, src: &CudaSlice<f32>) -> Result<(), String> {
+        need("to_bf16_prefix", dst.len() >= src.len())?;
+        let n = src.len() as i64;
         let mut l = self.launcher("f32_to_bf16");
         l.arg(dst).arg(src).arg(&n);
         Self::launch("f32_to_bf16", l, elementwise(n as usize))
@@ -574,27 +711,19 @@ impl Gpu {
     }
 }
 
-/// f32 → bf16 → f32 on the CPU, rounding to nearest even as `f32_to_bf16` does: the CPU side
-/// of the bf16 checks.
-pub fn round_bf16(x: f32) -> f32 {
-    let u = x.to_bits();
-    if x.is_nan() {
-        return f32::from_bits((u | 0x0040_0000) & 0xffff_0000);
-    }
-    f32::from_bits((u.wrapping_add(0x7fff + ((u >> 16) & 1))) & 0xffff_0000)
-}
+pub use crate::backend::cpu::round_bf16;
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// Where there is no GPU (CI), opening one is an error that names what is missing, not a
-    /// panic; where there is one, it opens and every kernel matches the CPU.
+    /// panic; where there is one, it opens and every backend operation matches the host's.
     #[test]
     fn opening_a_gpu_works_or_says_what_is_missing() {
-        match Gpu::open(0) {
+        match backend::GpuBackend::open(0, crate::backend::Precision::Fp32) {
             Ok(gpu) => {
-                for c in check::check_kernels(&gpu).unwrap() {
+                for c in check::check_backend(&gpu) {
                     assert!(c.ok(), "{}: relative error {:e} > {:e}", c.what, c.rel_err, c.tol);
                 }
             }
@@ -654,21 +783,6 @@ mod tests {
             let spills: Vec<&str> =
                 log.lines().filter(|l| l.contains("spill") && !l.contains("0 bytes spill stores, 0 bytes spill loads")).collect();
             assert!(spills.is_empty(), "{arch}: register spills:\n{}", spills.join("\n"));
-        }
-    }
-
-    #[test]
-    fn bf16_rounding_is_nearest_even() {
-        assert_eq!(round_bf16(1.0), 1.0);
-        // 1 + 2⁻⁸ lies halfway between 1 and 1 + 2⁻⁷: ties go to the even mantissa, 1.
-        assert_eq!(round_bf16(1.0 + 1.0 / 256.0), 1.0);
-        // 1 + 3·2⁻⁸ lies halfway between 1 + 2⁻⁷ and 1 + 2⁻⁶: the even one is 1 + 2⁻⁶.
-        assert_eq!(round_bf16(1.0 + 3.0 / 256.0), 1.0 + 1.0 / 64.0);
-        assert_eq!(round_bf16(-2.5), -2.5);
-        assert!(round_bf16(f32::NAN).is_nan());
-        assert_eq!(round_bf16(f32::INFINITY), f32::INFINITY);
-        for x in check::inputs(10_000, 3) {
-            assert!(((round_bf16(x) - x) / x).abs() <= 1.0 / 256.0, "{x}");
         }
     }
 }

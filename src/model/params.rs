@@ -15,28 +15,35 @@ use crate::config::ModelCfg;
 use crate::real::Real;
 use crate::rng;
 
-/// The weights of one decoder block.
+/// The weights of one decoder block, in any container `V`: host vectors (`LayerParams<T>`) or
+/// a backend's buffers.
 #[derive(Clone, Debug, PartialEq)]
-pub struct LayerParams<T> {
-    pub input_layernorm: Vec<T>,          // [D]
-    pub q_proj: Vec<T>,                   // [H*hd, D]
-    pub k_proj: Vec<T>,                   // [KV*hd, D]
-    pub v_proj: Vec<T>,                   // [KV*hd, D]
-    pub o_proj: Vec<T>,                   // [D, H*hd]
-    pub post_attention_layernorm: Vec<T>, // [D]
-    pub gate_proj: Vec<T>,                // [F, D]
-    pub up_proj: Vec<T>,                  // [F, D]
-    pub down_proj: Vec<T>,                // [D, F]
+pub struct Layer<V> {
+    pub input_layernorm: V,          // [D]
+    pub q_proj: V,                   // [H*hd, D]
+    pub k_proj: V,                   // [KV*hd, D]
+    pub v_proj: V,                   // [KV*hd, D]
+    pub o_proj: V,                   // [D, H*hd]
+    pub post_attention_layernorm: V, // [D]
+    pub gate_proj: V,                // [F, D]
+    pub up_proj: V,                  // [F, D]
+    pub down_proj: V,                // [D, F]
 }
 
-/// All weights of `LlamaForCausalLM`.
+/// A block's weights in host memory.
+pub type LayerParams<T> = Layer<Vec<T>>;
+
+/// All weights of `LlamaForCausalLM`, in any container `V` (see [`Layer`]).
 #[derive(Clone, Debug, PartialEq)]
-pub struct ModelParams<T> {
-    pub embed_tokens: Vec<T>, // [V, D]
-    pub layers: Vec<LayerParams<T>>,
-    pub norm: Vec<T>,            // [D]
-    pub lm_head: Option<Vec<T>>, // [V, D]; None when tied to embed_tokens
+pub struct Params<V> {
+    pub embed_tokens: V, // [V, D]
+    pub layers: Vec<Layer<V>>,
+    pub norm: V,            // [D]
+    pub lm_head: Option<V>, // [V, D]; None when tied to embed_tokens
 }
+
+/// The model's weights (or gradients, or AdamW moments) in host memory.
+pub type ModelParams<T> = Params<Vec<T>>;
 
 /// How a tensor is initialised and whether weight decay applies to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -269,9 +276,11 @@ impl<T: Real> LayerParams<T> {
             down_proj: vec![T::ZERO; d * f],
         }
     }
+}
 
+impl<V> Layer<V> {
     /// The block's tensors in `param_specs` order.
-    pub fn tensors(&self) -> [&Vec<T>; 9] {
+    pub fn tensors(&self) -> [&V; 9] {
         [
             &self.input_layernorm,
             &self.q_proj,
@@ -285,7 +294,7 @@ impl<T: Real> LayerParams<T> {
         ]
     }
 
-    pub fn tensors_mut(&mut self) -> [&mut Vec<T>; 9] {
+    pub fn tensors_mut(&mut self) -> [&mut V; 9] {
         [
             &mut self.input_layernorm,
             &mut self.q_proj,
@@ -297,6 +306,64 @@ impl<T: Real> LayerParams<T> {
             &mut self.up_proj,
             &mut self.down_proj,
         ]
+    }
+
+    /// The same block with `f` applied to every tensor (e.g. copied to a device).
+    pub fn map<W>(&self, mut f: impl FnMut(&V) -> W) -> Layer<W> {
+        Layer {
+            input_layernorm: f(&self.input_layernorm),
+            q_proj: f(&self.q_proj),
+            k_proj: f(&self.k_proj),
+            v_proj: f(&self.v_proj),
+            o_proj: f(&self.o_proj),
+            post_attention_layernorm: f(&self.post_attention_layernorm),
+            gate_proj: f(&self.gate_proj),
+            up_proj: f(&self.up_proj),
+            down_proj: f(&self.down_proj),
+        }
+    }
+}
+
+impl<V> Params<V> {
+    /// Every tensor in `param_specs` order.
+    pub fn tensors(&self) -> Vec<&V> {
+        let mut out = vec![&self.embed_tokens];
+        for l in &self.layers {
+            out.extend(l.tensors());
+        }
+        out.push(&self.norm);
+        if let Some(h) = &self.lm_head {
+            out.push(h);
+        }
+        out
+    }
+
+    /// Every tensor in `param_specs` order, mutably.
+    pub fn tensors_mut(&mut self) -> Vec<&mut V> {
+        let mut out = vec![&mut self.embed_tokens];
+        for l in &mut self.layers {
+            out.extend(l.tensors_mut());
+        }
+        out.push(&mut self.norm);
+        if let Some(h) = &mut self.lm_head {
+            out.push(h);
+        }
+        out
+    }
+
+    /// The output projection: `lm_head`, or `embed_tokens` when tied.
+    pub fn output_weight(&self) -> &V {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// The same model with `f` applied to every tensor (e.g. copied to a device).
+    pub fn map<W>(&self, mut f: impl FnMut(&V) -> W) -> Params<W> {
+        Params {
+            embed_tokens: f(&self.embed_tokens),
+            layers: self.layers.iter().map(|l| l.map(&mut f)).collect(),
+            norm: f(&self.norm),
+            lm_head: self.lm_head.as_ref().map(&mut f),
+        }
     }
 }
 
@@ -330,37 +397,6 @@ impl<T: Real> ModelParams<T> {
             init_fill(seed, spec, m.layers, 0, t);
         }
         p
-    }
-
-    /// Every tensor in `param_specs` order.
-    pub fn tensors(&self) -> Vec<&Vec<T>> {
-        let mut out = vec![&self.embed_tokens];
-        for l in &self.layers {
-            out.extend(l.tensors());
-        }
-        out.push(&self.norm);
-        if let Some(h) = &self.lm_head {
-            out.push(h);
-        }
-        out
-    }
-
-    /// Every tensor in `param_specs` order, mutably.
-    pub fn tensors_mut(&mut self) -> Vec<&mut Vec<T>> {
-        let mut out = vec![&mut self.embed_tokens];
-        for l in &mut self.layers {
-            out.extend(l.tensors_mut());
-        }
-        out.push(&mut self.norm);
-        if let Some(h) = &mut self.lm_head {
-            out.push(h);
-        }
-        out
-    }
-
-    /// The output projection: `lm_head`, or `embed_tokens` when tied.
-    pub fn output_weight(&self) -> &[T] {
-        self.lm_head.as_deref().unwrap_or(&self.embed_tokens)
     }
 
     pub fn numel(&self) -> usize {

@@ -1,0 +1,269 @@
+//! The host backend: every operation is the CPU kernel its contract names (rayon-parallel,
+//! the `gemm` crate's GEMM), on `Vec<T>`. It is the reference the GPU backend is checked
+//! against, and what training runs on by default.
+//!
+//! With [`Precision::Bf16`] the linear layers round their operands to bf16 (nearest even)
+//! before an f32 GEMM: what the GPU's bf16 tensor-core GEMMs compute up to summation order, so
+//! a mixed-precision run has a host reference. It is slower than fp32 here (the rounded copies).
+
+use super::{AdamStep, Backend, Precision};
+use crate::model::attention::{attention_bwd, attention_fwd, merge_partial, AttnDims};
+use crate::model::kernels;
+use crate::real::{linear_bwd_input, linear_bwd_weight, linear_fwd, Real};
+use rayon::prelude::*;
+
+/// The host. `Cpu::default()` is fp32.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu {
+    pub precision: Precision,
+}
+
+/// `x` rounded to bf16 and back (nearest even; NaN stays NaN), in f32 arithmetic.
+pub fn round_bf16(x: f32) -> f32 {
+    let u = x.to_bits();
+    if x.is_nan() {
+        return f32::from_bits((u | 0x0040_0000) & 0xffff_0000);
+    }
+    f32::from_bits((u.wrapping_add(0x7fff + ((u >> 16) & 1))) & 0xffff_0000)
+}
+
+impl Cpu {
+    /// The operands of a GEMM as the configured precision sees them.
+    fn operand<'a, T: Real>(&self, x: &'a [T], scratch: &'a mut Vec<T>) -> &'a [T] {
+        match self.precision {
+            Precision::Fp32 => x,
+            Precision::Bf16 => {
+                scratch.clear();
+                scratch.par_extend(x.par_iter().map(|&v| T::from_f64(round_bf16(v.to_f64() as f32) as f64)));
+                scratch
+            }
+        }
+    }
+}
+
+impl<T: Real> Backend<T> for Cpu {
+    type Buf = Vec<T>;
+    type Ids = Vec<u32>;
+    type Pos = Vec<usize>;
+
+    fn describe(&self) -> String {
+        "cpu".into()
+    }
+
+    fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    fn zeros(&self, n: usize) -> Vec<T> {
+        vec![T::ZERO; n]
+    }
+
+    fn len(&self, b: &Vec<T>) -> usize {
+        b.len()
+    }
+
+    fn upload(&self, dst: &mut Vec<T>, host: &[T]) {
+        dst.clear();
+        dst.extend_from_slice(host);
+    }
+
+    fn download(&self, src: &Vec<T>, host: &mut [T]) {
+        host.copy_from_slice(src);
+    }
+
+    fn copy(&self, dst: &mut Vec<T>, src: &Vec<T>) {
+        dst.copy_from_slice(src);
+    }
+
+    fn fill(&self, dst: &mut Vec<T>, x: T) {
+        dst.iter_mut().for_each(|d| *d = x);
+    }
+
+    fn set_ids(&self, dst: &mut Vec<u32>, host: &[u32]) {
+        dst.clear();
+        dst.extend_from_slice(host);
+    }
+
+    fn set_positions(&self, dst: &mut Vec<usize>, host: &[usize]) {
+        dst.clear();
+        dst.extend_from_slice(host);
+    }
+
+    fn linear_fwd(&self, y: &mut Vec<T>, x: &Vec<T>, w: &Vec<T>, m: usize, n: usize, k: usize, acc: bool) {
+        let (mut sx, mut sw) = (vec![], vec![]);
+        linear_fwd(y, self.operand(x, &mut sx), self.operand(w, &mut sw), m, n, k, acc);
+    }
+
+    fn linear_bwd_input(&self, dx: &mut Vec<T>, dy: &Vec<T>, w: &Vec<T>, m: usize, n: usize, k: usize, acc: bool) {
+        let (mut sd, mut sw) = (vec![], vec![]);
+        linear_bwd_input(dx, self.operand(dy, &mut sd), self.operand(w, &mut sw), m, n, k, acc);
+    }
+
+    fn linear_bwd_weight(&self, dw: &mut Vec<T>, dy: &Vec<T>, x: &Vec<T>, m: usize, n: usize, k: usize, acc: bool) {
+        let (mut sd, mut sx) = (vec![], vec![]);
+        linear_bwd_weight(dw, self.operand(dy, &mut sd), self.operand(x, &mut sx), m, n, k, acc);
+    }
+
+    fn rmsnorm_fwd(&self, y: &mut Vec<T>, rstd: &mut Vec<T>, x: &Vec<T>, w: &Vec<T>, d: usize, eps: f64) {
+        kernels::rmsnorm_fwd(y, rstd, x, w, d, eps);
+    }
+
+    fn rmsnorm_bwd(&self, dx: &mut Vec<T>, dw: &mut Vec<T>, dy: &Vec<T>, x: &Vec<T>, w: &Vec<T>, rstd: &Vec<T>, d: usize, acc: bool) {
+        kernels::rmsnorm_bwd(dx, dw, dy, x, w, rstd, d, acc);
+    }
+
+    fn tokens_to_heads(&self, dst: &mut Vec<T>, src: &Vec<T>, b: usize, s: usize, nh: usize, hd: usize, rope: Option<(&Vec<T>, &Vec<T>)>) {
+        kernels::to_heads_rope(dst, src, b, s, nh, hd, rope.map(|(c, s)| (c.as_slice(), s.as_slice())));
+    }
+
+    fn heads_to_tokens(&self, dst: &mut Vec<T>, src: &Vec<T>, b: usize, s: usize, nh: usize, hd: usize, rope: Option<(&Vec<T>, &Vec<T>)>) {
+        kernels::from_heads_rope(dst, src, b, s, nh, hd, rope.map(|(c, s)| (c.as_slice(), s.as_slice())));
+    }
+
+    fn swiglu_fwd(&self, h: &mut Vec<T>, gate: &Vec<T>, up: &Vec<T>) {
+        kernels::swiglu_fwd(h, gate, up);
+    }
+
+    fn swiglu_bwd(&self, dgate: &mut Vec<T>, dup: &mut Vec<T>, dh: &Vec<T>, gate: &Vec<T>, up: &Vec<T>) {
+        kernels::swiglu_bwd(dgate, dup, dh, gate, up);
+    }
+
+    fn add_assign(&self, dst: &mut Vec<T>, src: &Vec<T>) {
+        kernels::add_assign(dst, src);
+    }
+
+    fn embed_fwd(&self, x: &mut Vec<T>, table: &Vec<T>, ids: &Vec<u32>, offset: usize, valid: usize, d: usize) {
+        for (row, &t) in x.chunks_mut(d).zip(ids) {
+            let local = (t as usize).wrapping_sub(offset);
+            if local < valid {
+                row.copy_from_slice(&table[local * d..][..d]);
+            } else {
+                row.iter_mut().for_each(|x| *x = T::ZERO);
+            }
+        }
+    }
+
+    fn embed_bwd(&self, dtable: &mut Vec<T>, dx: &Vec<T>, ids: &Vec<u32>, offset: usize, valid: usize, d: usize) {
+        for (row, &t) in dx.chunks(d).zip(ids) {
+            let local = (t as usize).wrapping_sub(offset);
+            if local < valid {
+                for (g, &x) in dtable[local * d..][..d].iter_mut().zip(row) {
+                    *g += x;
+                }
+            }
+        }
+    }
+
+    fn ce_row_max(&self, m: &mut Vec<T>, logits: &Vec<T>, v: usize, valid: usize) {
+        kernels::row_max(m, logits, v, valid);
+    }
+
+    fn ce_row_sum_exp(&self, s: &mut Vec<T>, logits: &Vec<T>, m: &Vec<T>, v: usize, valid: usize) {
+        kernels::row_sum_exp(s, logits, m, v, valid);
+    }
+
+    fn ce_target_logit(&self, t: &mut Vec<T>, logits: &Vec<T>, targets: &Vec<u32>, v: usize, offset: usize, valid: usize) {
+        kernels::target_logit(t, logits, targets, v, offset, valid);
+    }
+
+    fn ce_finish(&self, lse: &mut Vec<T>, m: &Vec<T>, t: &Vec<T>) -> f64 {
+        let mut loss = 0.0f64;
+        for ((l, &mi), &ti) in lse.iter_mut().zip(m).zip(t) {
+            *l = mi + l.ln();
+            loss += (*l - ti).to_f64();
+        }
+        loss
+    }
+
+    fn ce_bwd_inplace(&self, logits: &mut Vec<T>, lse: &Vec<T>, targets: &Vec<u32>, v: usize, offset: usize, valid: usize, scale: T) {
+        kernels::cross_entropy_bwd_inplace(logits, lse, targets, v, offset, valid, scale);
+    }
+
+    fn attention_fwd(
+        &self,
+        o: &mut Vec<T>,
+        lse: &mut Vec<T>,
+        q: &Vec<T>,
+        k: &Vec<T>,
+        v: &Vec<T>,
+        q_pos: &Vec<usize>,
+        k_pos: &Vec<usize>,
+        dm: AttnDims,
+    ) {
+        attention_fwd(o, lse, q, k, v, q_pos, k_pos, dm);
+    }
+
+    fn attention_bwd(
+        &self,
+        dq: &mut Vec<T>,
+        dk: &mut Vec<T>,
+        dv: &mut Vec<T>,
+        d_o: &Vec<T>,
+        q: &Vec<T>,
+        k: &Vec<T>,
+        v: &Vec<T>,
+        o: &Vec<T>,
+        lse: &Vec<T>,
+        q_pos: &Vec<usize>,
+        k_pos: &Vec<usize>,
+        dm: AttnDims,
+    ) {
+        attention_bwd(dq, dk, dv, d_o, q, k, v, o, lse, q_pos, k_pos, dm);
+    }
+
+    fn attention_merge(&self, o: &mut Vec<T>, lse: &mut Vec<T>, o_part: &Vec<T>, lse_part: &Vec<T>, hd: usize) {
+        merge_partial(o, lse, o_part, lse_part, hd);
+    }
+
+    fn sum_sq(&self, x: &Vec<T>) -> f64 {
+        x.iter().map(|&v| v.to_f64() * v.to_f64()).sum()
+    }
+
+    fn scale(&self, x: &mut Vec<T>, c: T) {
+        x.iter_mut().for_each(|v| *v *= c);
+    }
+
+    fn adamw(&self, p: &mut Vec<T>, m: &mut Vec<T>, v: &mut Vec<T>, g: &Vec<T>, step: &AdamStep) {
+        crate::optim::adamw_update(p, g, m, v, step);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounding_is_nearest_even() {
+        assert_eq!(round_bf16(1.0), 1.0);
+        // 1 + 2⁻⁸ lies halfway between 1 and 1 + 2⁻⁷: ties go to the even mantissa, 1.
+        assert_eq!(round_bf16(1.0 + 1.0 / 256.0), 1.0);
+        // 1 + 3·2⁻⁸ lies halfway between 1 + 2⁻⁷ and 1 + 2⁻⁶: the even one is 1 + 2⁻⁶.
+        assert_eq!(round_bf16(1.0 + 3.0 / 256.0), 1.0 + 1.0 / 64.0);
+        assert_eq!(round_bf16(-2.5), -2.5);
+        assert!(round_bf16(f32::NAN).is_nan());
+        assert_eq!(round_bf16(f32::INFINITY), f32::INFINITY);
+        for i in 1..10_000 {
+            let x = (i as f32 * 0.7311).sin() * 10f32.powi(i % 7 - 3);
+            assert!(((round_bf16(x) - x) / x).abs() <= 1.0 / 256.0, "{x}");
+        }
+    }
+
+    /// bf16 GEMMs: the product of rounded operands, so within bf16's relative rounding of the
+    /// fp32 product, and exactly the fp32 GEMM of the rounded inputs.
+    #[test]
+    fn bf16_linear_rounds_its_operands() {
+        let (m, n, k) = (7, 5, 33);
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 23.0).collect();
+        let (fp32, bf16) = (Cpu::default(), Cpu { precision: Precision::Bf16 });
+        let (mut y32, mut y16, mut yr) = (vec![0.0f32; m * n], vec![0.0f32; m * n], vec![0.0f32; m * n]);
+        fp32.linear_fwd(&mut y32, &x, &w, m, n, k, false);
+        bf16.linear_fwd(&mut y16, &x, &w, m, n, k, false);
+        let (xr, wr): (Vec<f32>, Vec<f32>) = (x.iter().map(|&v| round_bf16(v)).collect(), w.iter().map(|&v| round_bf16(v)).collect());
+        fp32.linear_fwd(&mut yr, &xr, &wr, m, n, k, false);
+        assert_eq!(y16, yr);
+        let scale = y32.iter().fold(0.0f32, |a, &b| a.max(b.abs()));
+        assert!(y16.iter().zip(&y32).all(|(a, b)| (a - b).abs() <= 1e-2 * scale), "{y16:?} vs {y32:?}");
+        assert_ne!(y16, y32);
+    }
+}

@@ -1,0 +1,192 @@
+//! The boundary between the model's maths and the hardware that runs it.
+//!
+//! [`Backend`] is every operation a decoder step needs — buffers and copies, the linear layers'
+//! GEMMs, the fused elementwise and row kernels, attention, the cross entropy, the optimiser's
+//! update and the gradient norm — on the backend's own buffers. The model (`model::Model`) and
+//! the one-device training loop (`train_device`) are written once against it; [`Cpu`] runs them
+//! on the host with the kernels of `model::kernels`, `model::attention` and `real`, and the CUDA
+//! backend (`gpu::backend`, feature `cuda`) on an NVIDIA GPU with cuBLAS and NVRTC-compiled
+//! kernels. Each operation's contract is the CPU kernel it names: `ndtrain gpu-check` runs every
+//! operation on both backends with the same inputs and compares.
+//!
+//! Buffers are whole tensors (no views): a layout that needs two halves keeps two buffers.
+//! Operations panic on a backend failure (a GPU fault), which aborts the MPI job with the
+//! message; what can be checked before the first step is checked there.
+
+pub mod cpu;
+
+pub use cpu::Cpu;
+
+use crate::model::attention::AttnDims;
+use crate::real::Real;
+
+pub use crate::config::Precision;
+
+/// The coefficients of one AdamW update, PyTorch's semantics (`optim::AdamW`): for each
+/// element, `p ← p·decay`, `m ← b1·m + (1−b1)·g`, `v ← b2·v + (1−b2)·g²`,
+/// `p ← p − step_size · m / (sqrt(v)/bc2_sqrt + eps)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamStep {
+    pub decay: f64,
+    pub b1: f64,
+    pub b2: f64,
+    pub step_size: f64,
+    pub bc2_sqrt: f64,
+    pub eps: f64,
+}
+
+impl AdamStep {
+    /// Update `t` (1-based) with learning rate `lr`; `decayed` says whether the tensor takes
+    /// weight decay (2-D weights) or not (norm weights).
+    pub fn new(t: u64, lr: f64, beta1: f64, beta2: f64, eps: f64, weight_decay: f64, decayed: bool) -> AdamStep {
+        let bc1 = 1.0 - beta1.powi(t as i32);
+        let bc2 = 1.0 - beta2.powi(t as i32);
+        // Multiplying by exactly 1 leaves an undecayed weight bit-identical.
+        let decay = if decayed && weight_decay != 0.0 { 1.0 - lr * weight_decay } else { 1.0 };
+        AdamStep { decay, b1: beta1, b2: beta2, step_size: lr / bc1, bc2_sqrt: bc2.sqrt(), eps }
+    }
+}
+
+/// The operations of a decoder training step on one device, in element type `T`.
+///
+/// Shapes follow `model`: token-major activations `[N, D]` (`N = B·S`), head-major attention
+/// tensors `[B, H, S, hd]`, weights `[out, in]` row-major. Every operation says whether it
+/// overwrites (`=`) or accumulates (`+=`) its output.
+#[allow(clippy::too_many_arguments)]
+pub trait Backend<T: Real> {
+    /// A tensor on the device.
+    type Buf: Default;
+    /// Token ids of a micro-batch (and whatever the embedding backward needs about them).
+    type Ids: Default;
+    /// Global positions of a rank's tokens.
+    type Pos: Default;
+
+    /// A short name for logs (`cpu`, `cuda:0 NVIDIA H200`).
+    fn describe(&self) -> String;
+    fn precision(&self) -> Precision;
+
+    // ---- memory --------------------------------------------------------------------------
+    fn zeros(&self, n: usize) -> Self::Buf;
+    fn len(&self, b: &Self::Buf) -> usize;
+    /// `dst` becomes a copy of `host` (reallocated when the length differs).
+    fn upload(&self, dst: &mut Self::Buf, host: &[T]);
+    /// `host = src`; the lengths agree.
+    fn download(&self, src: &Self::Buf, host: &mut [T]);
+    /// `dst = src`; the lengths agree.
+    fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf);
+    fn fill(&self, dst: &mut Self::Buf, x: T);
+    fn set_ids(&self, dst: &mut Self::Ids, host: &[u32]);
+    fn set_positions(&self, dst: &mut Self::Pos, host: &[usize]);
+
+    // ---- linear layers (`real::linear_*`) ------------------------------------------------
+    /// `y [m, n] (=|+=) x [m, k] · wᵀ`, `w [n, k]`.
+    fn linear_fwd(&self, y: &mut Self::Buf, x: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, acc: bool);
+    /// `dx [m, k] (=|+=) dy [m, n] · w`, `w [n, k]`.
+    fn linear_bwd_input(&self, dx: &mut Self::Buf, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, acc: bool);
+    /// `dw [n, k] (=|+=) dyᵀ · x`, `dy [m, n]`, `x [m, k]`.
+    fn linear_bwd_weight(&self, dw: &mut Self::Buf, dy: &Self::Buf, x: &Self::Buf, m: usize, n: usize, k: usize, acc: bool);
+
+    // ---- elementwise and row kernels (`model::kernels`) ----------------------------------
+    /// `y = x / sqrt(mean(x²) + eps) · w` per row of `d`; `rstd =` the row's `1/sqrt(…)`.
+    fn rmsnorm_fwd(&self, y: &mut Self::Buf, rstd: &mut Self::Buf, x: &Self::Buf, w: &Self::Buf, d: usize, eps: f64);
+    /// `dx (=|+=)`, `dw +=`.
+    fn rmsnorm_bwd(
+        &self,
+        dx: &mut Self::Buf,
+        dw: &mut Self::Buf,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        rstd: &Self::Buf,
+        d: usize,
+        acc: bool,
+    );
+    /// Token-major `[B, S, nh·hd]` → head-major `[B, nh, S, hd]` (`=`), RoPE-rotated with
+    /// `(cos, sin) [S, hd/2]` when given.
+    fn tokens_to_heads(
+        &self,
+        dst: &mut Self::Buf,
+        src: &Self::Buf,
+        b: usize,
+        s: usize,
+        nh: usize,
+        hd: usize,
+        rope: Option<(&Self::Buf, &Self::Buf)>,
+    );
+    /// Head-major → token-major (`=`), rotated by the transposed rotation when given: the
+    /// backward of [`Backend::tokens_to_heads`], and the attention output's transpose.
+    fn heads_to_tokens(
+        &self,
+        dst: &mut Self::Buf,
+        src: &Self::Buf,
+        b: usize,
+        s: usize,
+        nh: usize,
+        hd: usize,
+        rope: Option<(&Self::Buf, &Self::Buf)>,
+    );
+    /// `h = silu(gate) · up`.
+    fn swiglu_fwd(&self, h: &mut Self::Buf, gate: &Self::Buf, up: &Self::Buf);
+    /// `dgate =`, `dup =`.
+    fn swiglu_bwd(&self, dgate: &mut Self::Buf, dup: &mut Self::Buf, dh: &Self::Buf, gate: &Self::Buf, up: &Self::Buf);
+    /// `dst += src`.
+    fn add_assign(&self, dst: &mut Self::Buf, src: &Self::Buf);
+    /// `x [N, d] =` the rows `ids − offset` of `table` where `0 ≤ ids − offset < valid`, else 0
+    /// (a vocabulary-parallel rank's share of the embedding).
+    fn embed_fwd(&self, x: &mut Self::Buf, table: &Self::Buf, ids: &Self::Ids, offset: usize, valid: usize, d: usize);
+    /// `dtable[ids[n] − offset] += dx[n]` for the tokens this rank's rows hold, in token order.
+    fn embed_bwd(&self, dtable: &mut Self::Buf, dx: &Self::Buf, ids: &Self::Ids, offset: usize, valid: usize, d: usize);
+
+    // ---- cross entropy over (vocabulary-parallel) logits [N, v] --------------------------
+    /// `m =` each row's maximum over its first `valid` columns.
+    fn ce_row_max(&self, m: &mut Self::Buf, logits: &Self::Buf, v: usize, valid: usize);
+    /// `s = Σ_j exp(logits − m)` over the valid columns.
+    fn ce_row_sum_exp(&self, s: &mut Self::Buf, logits: &Self::Buf, m: &Self::Buf, v: usize, valid: usize);
+    /// `t =` the target's logit where `offset ≤ target < offset + valid`, else 0.
+    fn ce_target_logit(&self, t: &mut Self::Buf, logits: &Self::Buf, targets: &Self::Ids, v: usize, offset: usize, valid: usize);
+    /// In place `lse ← m + ln(lse)` (the row sums become log-sum-exps); returns
+    /// `Σ_n (lse_n − t_n)` in f64, summed in row order: the micro-batch's summed loss.
+    fn ce_finish(&self, lse: &mut Self::Buf, m: &Self::Buf, t: &Self::Buf) -> f64;
+    /// In place: `logits = scale · (softmax − onehot)`, padding columns 0.
+    fn ce_bwd_inplace(&self, logits: &mut Self::Buf, lse: &Self::Buf, targets: &Self::Ids, v: usize, offset: usize, valid: usize, scale: T);
+
+    // ---- attention (`model::attention`) --------------------------------------------------
+    /// `o [B, H, Sq, hd] =`, `lse [B, H, Sq] =`; causal by global position.
+    fn attention_fwd(
+        &self,
+        o: &mut Self::Buf,
+        lse: &mut Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        q_pos: &Self::Pos,
+        k_pos: &Self::Pos,
+        dm: AttnDims,
+    );
+    /// `dq =`, `dk =`, `dv =`.
+    fn attention_bwd(
+        &self,
+        dq: &mut Self::Buf,
+        dk: &mut Self::Buf,
+        dv: &mut Self::Buf,
+        d_o: &Self::Buf,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        o: &Self::Buf,
+        lse: &Self::Buf,
+        q_pos: &Self::Pos,
+        k_pos: &Self::Pos,
+        dm: AttnDims,
+    );
+    /// Online-softmax merge of a partial result over one block of keys into `(o, lse)`.
+    fn attention_merge(&self, o: &mut Self::Buf, lse: &mut Self::Buf, o_part: &Self::Buf, lse_part: &Self::Buf, hd: usize);
+
+    // ---- optimiser -----------------------------------------------------------------------
+    /// `Σ x²` in f64.
+    fn sum_sq(&self, x: &Self::Buf) -> f64;
+    /// `x *= c`.
+    fn scale(&self, x: &mut Self::Buf, c: T);
+    /// One AdamW update of one tensor.
+    fn adamw(&self, p: &mut Self::Buf, m: &mut Self::Buf, v: &mut Self::Buf, g: &Self::Buf, step: &AdamStep);
+}
