@@ -1,21 +1,95 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 10, as one script for a machine with NVIDIA GPUs: builds with the
-# `cuda` feature, runs the backend's unit test, then `ndtrain gpu-check` on one rank and, if
-# the node has more than one GPU, on one rank per GPU (NCCL over all of them), and saves the
-# output under benches/results/.
-#   benches/gpu_check.sh            # GPUS=<count from nvidia-smi>
+# The GPU checks of issue 10 as one script, for a machine with an NVIDIA GPU. It runs, in order:
+#   1. `ndtrain gpu-check`: every operation of the backend boundary on the GPU against the host
+#      backend, a whole forward + backward of a small model in fp32 and bf16, NCCL (tolerances
+#      named in src/gpu/check.rs);
+#   2. the tiny deck for 30 steps on the host and on the GPU, fp32 and bf16: the losses within
+#      FP32_LOSS_TOL / BF16_LOSS_TOL of the host's (max |Δloss| over the steps);
+#   3. the 1.2 B-parameter deck inputs/gpu_1b.toml on the GPU (bf16): s/step, tokens/s, MFU;
+#   4. where python3 has torch and transformers, the same deck side by side with PyTorch eager
+#      (benches/vs_pytorch_gpu.py).
+# ndtrain comes from $NDTRAIN, else the bundle .gpu_bundle/ndtrain-gpu.tar.xz (benches/
+# gpu_bundle.sh: for a GPU machine without Open MPI and HDF5), else target/release (built here
+# with --features cuda when cargo exists). Output goes to $OUT (or benches/results/).
+#   benches/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="benches/results/gpu_check_$(date -u +%Y%m%dT%H%MZ).txt"
-GPUS="${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
+FP32_LOSS_TOL="${FP32_LOSS_TOL:-1e-4}"   # the same f32 maths in another order, over 30 Adam steps
+BF16_LOSS_TOL="${BF16_LOSS_TOL:-2e-2}"   # bf16 operands on both sides; TF32 attention products on the GPU
+DEST="${OUT:-benches/results}"
+mkdir -p "$DEST"
+LOG="$DEST/gpu_check_$(date -u +%Y%m%dT%H%MZ).txt"
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+export OMPI_MCA_mpi_yield_when_idle=1
+
+if [ -z "${NDTRAIN:-}" ] && [ -f .gpu_bundle/ndtrain-gpu.tar.xz ]; then
+    tar -C /tmp -xJf .gpu_bundle/ndtrain-gpu.tar.xz && . /tmp/ndtrain-gpu/env.sh && NDTRAIN="$(command -v ndtrain)"
+fi
+if [ -z "${NDTRAIN:-}" ]; then
+    command -v cargo >/dev/null && cargo build --release --features cuda
+    NDTRAIN=target/release/ndtrain
+fi
+
+# cudarc (built for CUDA 12) opens lib<name>.so or lib<name>.so.12: on a CUDA 13 machine (or
+# with NCCL's libnccl.so.2 alone) link the unversioned names to what the machine has.
+cuda_names() {
+    local dir=/tmp/ndtrain-cuda-libs search=(/usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+    mkdir -p "$dir"
+    search+=($(python3 -c 'import glob, nvidia, os; print(" ".join(sorted(set(os.path.dirname(f) for p in nvidia.__path__ for f in glob.glob(p + "/**/lib/lib*.so*", recursive=True)))))' 2>/dev/null))
+    search+=($(ldconfig -p 2>/dev/null | awk '/lib(cublas|nvrtc|nccl)/ {print $NF}' | xargs -r -n1 dirname | sort -u))
+    for name in cublas cublasLt nvrtc nccl; do
+        [ -e "$dir/lib$name.so" ] && continue
+        for d in "${search[@]}"; do
+            f=$(ls "$d"/lib$name.so* 2>/dev/null | head -1)
+            if [ -n "$f" ]; then ln -sf "$(readlink -f "$f")" "$dir/lib$name.so"; break; fi
+        done
+    done
+    export LD_LIBRARY_PATH="$dir:$(printf '%s:' "${search[@]}")${LD_LIBRARY_PATH:-}"
+    ls -l "$dir"
+}
+
+compare() {  # compare NAME CPU_DIR GPU_DIR TOL: max |Δloss| of two metrics.csv files
+    python3 - "$@" <<'EOF'
+import sys
+name, a, b, tol = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+col = lambda p: [float(r.split(",")[1]) for r in list(open(p + "/metrics.csv"))[1:]]
+x, y = col(a), col(b)
+d = max(abs(p - q) for p, q in zip(x, y)) if len(x) == len(y) and x else float("inf")
+print(f"{name}: {len(y)} steps, first loss {y[0]:.6f} (host {x[0]:.6f}), last {y[-1]:.6f} (host {x[-1]:.6f}), "
+      f"max |Δloss| {d:.3e} (tolerance {tol:.0e})  {'ok' if d <= tol else 'FAILED'}")
+sys.exit(0 if d <= tol else 1)
+EOF
+}
+
 {
-    echo "# ndtrain GPU check, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null)"
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -9
-    set -x
-    cargo build --release --features cuda
-    cargo test --release --features cuda --lib gpu::
-    target/release/ndtrain gpu-check
-    if [ "$GPUS" -gt 1 ]; then mpirun --oversubscribe -n "$GPUS" target/release/ndtrain gpu-check; fi
-} 2>&1 | tee "$OUT"
-echo "saved $OUT"
+    echo "# ndtrain GPU check, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $NDTRAIN"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -3
+    status=0
+    cuda_names
+    echo "## 1. gpu-check"
+    "$NDTRAIN" gpu-check || status=1
+
+    echo "## 2. the tiny deck, 30 steps: host vs GPU"
+    tiny=(inputs/tiny.toml --set run.steps=30 --set log.every=10 --set hardware.peak_flops_per_rank=1e12)
+    for p in fp32 bf16; do
+        "$NDTRAIN" train "${tiny[@]}" --set "train.precision=\"$p\"" --set "run.out_dir=\"/tmp/gc_cpu_$p\"" >/dev/null || status=1
+        "$NDTRAIN" train "${tiny[@]}" --set "train.precision=\"$p\"" --set 'run.device="cuda"' --set "run.out_dir=\"/tmp/gc_gpu_$p\"" || status=1
+    done
+    compare "tiny deck fp32, GPU vs host" /tmp/gc_cpu_fp32 /tmp/gc_gpu_fp32 "$FP32_LOSS_TOL" || status=1
+    compare "tiny deck bf16, GPU vs host bf16" /tmp/gc_cpu_bf16 /tmp/gc_gpu_bf16 "$BF16_LOSS_TOL" || status=1
+
+    echo "## 3. inputs/gpu_1b.toml on the GPU"
+    "$NDTRAIN" train inputs/gpu_1b.toml --set run.steps=8 --set 'run.out_dir="/tmp/gc_1b"' || status=1
+
+    echo "## 4. side by side with PyTorch eager"
+    if python3 -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+        PYTHONUNBUFFERED=1 python3 benches/vs_pytorch_gpu.py --ndtrain "$NDTRAIN" --rounds 2 --steps 5 --warmup 2 || status=1
+    else
+        echo "python3 has no CUDA torch + transformers here: not run"
+    fi
+    echo "## overall: $([ $status -eq 0 ] && echo ok || echo FAILED)"
+    exit $status
+} 2>&1 | tee "$LOG"
+status=${PIPESTATUS[0]}
+echo "saved $LOG"
+exit "$status"

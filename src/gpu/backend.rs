@@ -7,9 +7,9 @@
 //! A failing CUDA call panics with its message: the panic hook aborts the MPI job (what can
 //! fail before the first step — a missing library, no GPU — is an error from [`GpuBackend::open`]).
 
-use super::{AttnDims, Gpu};
+use super::{Gpu, Operand};
 use crate::backend::{AdamStep, Backend, Precision};
-use crate::model::attention::AttnDims as Dims;
+use crate::model::attention::AttnDims;
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -63,12 +63,63 @@ struct Shared {
     bf16: RefCell<(DevBuf<u16>, DevBuf<u16>)>,
     /// Attention backward's `rowsum(dO ∘ O)` scratch.
     rowdot: RefCell<DevBuf<f32>>,
+    /// Attention's scores (then probabilities) and, in backward, their gradient, for one chunk
+    /// of (batch, kv head) groups.
+    scores: RefCell<DevBuf<f32>>,
+    dscores: RefCell<DevBuf<f32>>,
     /// The gradient norm's per-block partial sums.
     partials: RefCell<DevBuf<f64>>,
 }
 
 /// Blocks of the gradient-norm reduction (a fixed grid: the sum is deterministic).
 const SUM_SQ_BLOCKS: usize = 1024;
+
+/// Elements of one attention score buffer (1 GiB of f32): the (batch, kv head) groups are
+/// processed in chunks that fit it.
+const SCORES_CAP: usize = 1 << 28;
+
+/// How one attention call is cut: `groups = B·KV` products of `rep·Sq` query rows (the query
+/// heads sharing a kv head, stacked) against `Sk` keys, `chunk` groups at a time.
+struct AttnPlan {
+    groups: usize,
+    chunk: usize,
+    /// Query rows of one group, and the elements of a group's q / k block and scores.
+    rows: usize,
+    q_block: usize,
+    k_block: usize,
+    s_block: usize,
+    sq: usize,
+    sk: usize,
+    hd: usize,
+    scale: f32,
+}
+
+impl AttnPlan {
+    fn new(dm: AttnDims) -> AttnPlan {
+        let i32_ok = [dm.b * dm.h * dm.sq, dm.sq, dm.sk, dm.hd].iter().all(|&x| i32::try_from(x).is_ok());
+        assert!(i32_ok && dm.kv > 0 && dm.h % dm.kv == 0, "attention sizes {dm:?} beyond the GPU kernels' 32-bit indices");
+        let rows = dm.h / dm.kv * dm.sq;
+        let s_block = rows * dm.sk;
+        let groups = dm.b * dm.kv;
+        AttnPlan {
+            groups,
+            chunk: (SCORES_CAP / s_block.max(1)).clamp(1, groups.max(1)),
+            rows,
+            q_block: rows * dm.hd,
+            k_block: dm.sk * dm.hd,
+            s_block,
+            sq: dm.sq,
+            sk: dm.sk,
+            hd: dm.hd,
+            scale: 1.0 / (dm.hd as f32).sqrt(),
+        }
+    }
+
+    /// `(first group, groups)` of each chunk.
+    fn chunks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.groups).step_by(self.chunk).map(|g| (g, self.chunk.min(self.groups - g)))
+    }
+}
 
 fn ok<R>(what: &str, r: Result<R, String>) -> R {
     r.unwrap_or_else(|e| panic!("GPU {what}: {e}"))
@@ -79,7 +130,14 @@ impl GpuBackend {
     pub fn open(node_rank: usize, precision: Precision) -> Result<GpuBackend, String> {
         let gpu = Gpu::open(node_rank)?;
         let partials = RefCell::new(DevBuf(Some(gpu.zeros::<f64>(SUM_SQ_BLOCKS)?)));
-        let shared = Shared { gpu, bf16: RefCell::new(Default::default()), rowdot: RefCell::new(DevBuf::default()), partials };
+        let shared = Shared {
+            gpu,
+            bf16: RefCell::new(Default::default()),
+            rowdot: RefCell::new(DevBuf::default()),
+            scores: RefCell::new(DevBuf::default()),
+            dscores: RefCell::new(DevBuf::default()),
+            partials,
+        };
         Ok(GpuBackend { shared: Rc::new(shared), precision })
     }
 
@@ -105,7 +163,8 @@ impl GpuBackend {
         self.precision = p;
     }
 
-    /// Row-major `c = op(a) · op(b) (+ c)` in the configured precision.
+    /// Row-major `c = op(a) · op(b) (+ c)` in the configured precision: f32, or bf16 copies
+    /// of both operands.
     #[allow(clippy::too_many_arguments)]
     fn gemm(&self, c: &mut DevBuf<f32>, a: &DevBuf<f32>, b: &DevBuf<f32>, mnk: (usize, usize, usize), trans: (bool, bool), acc: bool) {
         if c.is_empty() {
@@ -119,7 +178,9 @@ impl GpuBackend {
             return;
         }
         match self.precision {
-            Precision::Fp32 => ok("sgemm", self.gpu().gemm(c.get_mut(), a.get(), b.get(), mnk, trans, beta)),
+            Precision::Fp32 => {
+                ok("sgemm", self.gpu().gemm(c.get_mut(), Operand::F32(a.get(), 0), Operand::F32(b.get(), 0), mnk, trans, beta))
+            }
             Precision::Bf16 => {
                 let mut s = self.shared.bf16.borrow_mut();
                 let (sa, sb) = &mut *s;
@@ -130,9 +191,18 @@ impl GpuBackend {
                 }
                 ok("to bf16", self.gpu().to_bf16_prefix(sa.get_mut(), a.get()));
                 ok("to bf16", self.gpu().to_bf16_prefix(sb.get_mut(), b.get()));
-                ok("bf16 gemm", self.gpu().gemm_bf16(c.get_mut(), sa.get(), sb.get(), mnk, trans, beta));
+                ok("bf16 gemm", self.gpu().gemm(c.get_mut(), Operand::Bf16(sa.get(), 0), Operand::Bf16(sb.get(), 0), mnk, trans, beta));
             }
         }
+    }
+
+    /// A scratch buffer of at least `n` elements (grown, never shrunk).
+    fn scratch<'a>(&self, cell: &'a RefCell<DevBuf<f32>>, n: usize) -> std::cell::RefMut<'a, DevBuf<f32>> {
+        let mut b = cell.borrow_mut();
+        if b.len() < n {
+            *b = self.alloc(n);
+        }
+        b
     }
 
     /// The GEMM rate of this GPU in the configured precision (FLOP/s): a few 8192³ products
@@ -375,6 +445,9 @@ impl Backend<f32> for GpuBackend {
         }
     }
 
+    /// Per chunk of (batch, kv head) groups: `S = Q·Kᵀ` (batched GEMM, the group's query
+    /// heads stacked as rows), the causal softmax in place with its log-sum-exp, `O = P·V`.
+    /// The products follow the precision: f32, or TF32 tensor-core products under bf16.
     fn attention_fwd(
         &self,
         o: &mut DevBuf<f32>,
@@ -384,18 +457,54 @@ impl Backend<f32> for GpuBackend {
         v: &DevBuf<f32>,
         q_pos: &DevBuf<i32>,
         k_pos: &DevBuf<i32>,
-        dm: Dims,
+        dm: AttnDims,
     ) {
         if q.is_empty() {
             return;
         }
-        let gdm = ok("attention", AttnDims::new(dm));
-        ok(
-            "attention_fwd",
-            self.gpu().attention_fwd(o.get_mut(), lse.get_mut(), (q.get(), k.get(), v.get()), q_pos.get(), k_pos.get(), gdm),
-        );
+        let p = AttnPlan::new(dm);
+        let tf32 = self.precision == Precision::Bf16;
+        let g = self.gpu();
+        let mut s = self.scratch(&self.shared.scores, p.chunk * p.s_block);
+        for (g0, n) in p.chunks() {
+            let batch = |a: usize, b: usize, c: usize| (n, (a, b, c));
+            let (qa, ka, va) =
+                (Operand::F32(q.get(), g0 * p.q_block), Operand::F32(k.get(), g0 * p.k_block), Operand::F32(v.get(), g0 * p.k_block));
+            ok(
+                "attention QKᵀ",
+                g.gemm_batched(
+                    (s.get_mut(), 0),
+                    qa,
+                    ka,
+                    (p.rows, p.sk, p.hd),
+                    (false, true),
+                    0.0,
+                    batch(p.q_block, p.k_block, p.s_block),
+                    tf32,
+                ),
+            );
+            let rows = (n * p.rows, g0 * p.rows, p.sq, p.sk);
+            ok("attention softmax", g.attn_softmax(s.get_mut(), lse.get_mut(), (q_pos.get(), k_pos.get()), rows, p.scale));
+            let sa = Operand::F32(s.get(), 0);
+            ok(
+                "attention PV",
+                g.gemm_batched(
+                    (o.get_mut(), g0 * p.q_block),
+                    sa,
+                    va,
+                    (p.rows, p.hd, p.sk),
+                    (false, false),
+                    0.0,
+                    batch(p.s_block, p.k_block, p.q_block),
+                    tf32,
+                ),
+            );
+        }
     }
 
+    /// Per chunk: the probabilities again from `S = Q·Kᵀ` and the saved log-sum-exp,
+    /// `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = scale·P∘(dP − rowsum(dO∘O))`, `dQ = dS·K`,
+    /// `dK = dSᵀ·Q` (the sums over a group's query heads are the GEMMs' own).
     fn attention_bwd(
         &self,
         dq: &mut DevBuf<f32>,
@@ -409,19 +518,94 @@ impl Backend<f32> for GpuBackend {
         lse: &DevBuf<f32>,
         q_pos: &DevBuf<i32>,
         k_pos: &DevBuf<i32>,
-        dm: Dims,
+        dm: AttnDims,
     ) {
         if q.is_empty() {
             return;
         }
-        let gdm = ok("attention", AttnDims::new(dm));
-        let mut dd = self.shared.rowdot.borrow_mut();
-        if dd.len() != lse.len() {
-            *dd = self.alloc(lse.len());
+        let p = AttnPlan::new(dm);
+        let tf32 = self.precision == Precision::Bf16;
+        let g = self.gpu();
+        let mut dd = self.scratch(&self.shared.rowdot, lse.len());
+        ok("attention rowsum(dO∘O)", g.attn_rowdot(dd.get_mut(), d_o.get(), o.get(), (lse.len(), p.hd)));
+        let mut s = self.scratch(&self.shared.scores, p.chunk * p.s_block);
+        let mut ds = self.scratch(&self.shared.dscores, p.chunk * p.s_block);
+        for (g0, n) in p.chunks() {
+            let batch = |a: usize, b: usize, c: usize| (n, (a, b, c));
+            let (qo, ko, vo) = (g0 * p.q_block, g0 * p.k_block, g0 * p.k_block);
+            let (qa, ka, va, doa) =
+                (Operand::F32(q.get(), qo), Operand::F32(k.get(), ko), Operand::F32(v.get(), vo), Operand::F32(d_o.get(), qo));
+            ok(
+                "attention QKᵀ",
+                g.gemm_batched(
+                    (s.get_mut(), 0),
+                    qa,
+                    ka,
+                    (p.rows, p.sk, p.hd),
+                    (false, true),
+                    0.0,
+                    batch(p.q_block, p.k_block, p.s_block),
+                    tf32,
+                ),
+            );
+            let rows = (n * p.rows, g0 * p.rows, p.sq, p.sk);
+            ok("attention probabilities", g.attn_probs(s.get_mut(), lse.get(), (q_pos.get(), k_pos.get()), rows, p.scale));
+            let pa = Operand::F32(s.get(), 0);
+            ok(
+                "attention dV",
+                g.gemm_batched(
+                    (dv.get_mut(), vo),
+                    pa,
+                    doa,
+                    (p.sk, p.hd, p.rows),
+                    (true, false),
+                    0.0,
+                    batch(p.s_block, p.q_block, p.k_block),
+                    tf32,
+                ),
+            );
+            ok(
+                "attention dP",
+                g.gemm_batched(
+                    (ds.get_mut(), 0),
+                    doa,
+                    va,
+                    (p.rows, p.sk, p.hd),
+                    (false, true),
+                    0.0,
+                    batch(p.q_block, p.k_block, p.s_block),
+                    tf32,
+                ),
+            );
+            ok("attention dS", g.attn_dscores(ds.get_mut(), s.get(), dd.get(), (n * p.rows, g0 * p.rows, p.sk), p.scale));
+            let dsa = Operand::F32(ds.get(), 0);
+            ok(
+                "attention dQ",
+                g.gemm_batched(
+                    (dq.get_mut(), qo),
+                    dsa,
+                    ka,
+                    (p.rows, p.hd, p.sk),
+                    (false, false),
+                    0.0,
+                    batch(p.s_block, p.k_block, p.q_block),
+                    tf32,
+                ),
+            );
+            ok(
+                "attention dK",
+                g.gemm_batched(
+                    (dk.get_mut(), ko),
+                    dsa,
+                    qa,
+                    (p.sk, p.hd, p.rows),
+                    (true, false),
+                    0.0,
+                    batch(p.s_block, p.q_block, p.k_block),
+                    tf32,
+                ),
+            );
         }
-        let grads = (dq.get_mut(), dk.get_mut(), dv.get_mut(), dd.get_mut());
-        let saved = (q.get(), k.get(), v.get(), o.get(), lse.get());
-        ok("attention_bwd", self.gpu().attention_bwd(grads, d_o.get(), saved, q_pos.get(), k_pos.get(), gdm));
     }
 
     fn attention_merge(&self, o: &mut DevBuf<f32>, lse: &mut DevBuf<f32>, o_part: &DevBuf<f32>, lse_part: &DevBuf<f32>, hd: usize) {

@@ -11,8 +11,6 @@
 
 #define WARP 32
 #define FULL 0xffffffffu
-// Head dimensions up to 32 · HD_LANE = 256 (every Llama has 64 or 128).
-#define HD_LANE 8
 // NVRTC has no <math.h>, hence no INFINITY.
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -217,129 +215,66 @@ extern "C" __global__ void ce_bwd_inplace(float* logits, const float* lse, const
     }
 }
 
-// ---- Causal grouped-query attention, flash-style (model::attention) ----------------------
-// One warp per query row: each lane holds hd/32 of the row's q and of its output accumulator;
-// keys stream through with an online softmax, so no score matrix exists. Causality is by
-// global position (k_pos[j] > q_pos[i] is masked), as on the CPU, so a context-parallel
-// rank's zigzag pieces work unchanged. The backward recomputes the probabilities from the
-// saved log-sum-exp: one kernel per query row for dQ, one per key row for dK and dV (each sums
-// in a fixed order: deterministic, no atomics).
+// ---- Causal grouped-query attention (model::attention) -----------------------------------
+// The products QKᵀ, PV and their backward are cuBLAS batched GEMMs over (batch, kv head)
+// groups, the `rep = H / KV` query heads of a group stacked as rows (src/gpu/backend.rs); these
+// kernels do the rest, one block per row of scores [rows, sk]. Row `row0 + r` is query
+// `(row0 + r) % sq` of its head. Causality is by global position (k_pos[j] > q_pos[i] is
+// masked), as on the CPU, so a context-parallel rank's zigzag pieces work unchanged.
 
-struct AttnDims { int b, h, kv, sq, sk, hd; float scale; };
-
-__device__ __forceinline__ void load_row(float* r, const float* src, int hd, int lane) {
-    for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; r[c] = e < hd ? src[e] : 0.0f; }
-}
-
-__device__ __forceinline__ float row_dot(const float* r, const float* src, int hd, int lane) {
-    float s = 0.0f;
-    for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; if (e < hd) s += r[c] * src[e]; }
-    return warp_sum(s);
-}
-
-// o [B, H, Sq, hd] and lse [B, H, Sq] (−∞ and o = 0 for a row that sees no key).
-extern "C" __global__ void attn_fwd(float* o, float* lse, const float* q, const float* k, const float* v, const int* q_pos,
-                                    const int* k_pos, AttnDims dm) {
-    int lane = threadIdx.x & 31;
-    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (row >= (long long)dm.b * dm.h * dm.sq) return;
-    int i = (int)(row % dm.sq), bh = (int)(row / dm.sq), hq = bh % dm.h, bi = bh / dm.h;
-    int g = hq / (dm.h / dm.kv);
-    const float* kb = k + ((size_t)bi * dm.kv + g) * dm.sk * dm.hd;
-    const float* vb = v + ((size_t)bi * dm.kv + g) * dm.sk * dm.hd;
-    float qr[HD_LANE], acc[HD_LANE];
-    load_row(qr, q + row * dm.hd, dm.hd, lane);
-    for (int c = 0; c < HD_LANE; c++) acc[c] = 0.0f;
-    float m = NEG_INF, l = 0.0f;
-    int qp = q_pos[i];
-    for (int j = 0; j < dm.sk; j++) {
-        if (k_pos[j] > qp) continue;
-        float s = row_dot(qr, kb + (size_t)j * dm.hd, dm.hd, lane) * dm.scale;
-        float m_new = fmaxf(m, s);
-        float corr = expf(m - m_new), p = expf(s - m_new);
-        l = l * corr + p;
-        const float* vr = vb + (size_t)j * dm.hd;
-        for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; acc[c] = acc[c] * corr + (e < dm.hd ? p * vr[e] : 0.0f); }
-        m = m_new;
+// Scores become, in place, softmax(scale · s) over the keys the query sees (0 elsewhere);
+// lse = the log-sum-exp of the scaled visible scores, −∞ (and a zero row) when it sees none.
+extern "C" __global__ void attn_softmax(float* s, float* lse, const int* q_pos, const int* k_pos, int sq, int sk, long long row0,
+                                        float scale) {
+    __shared__ float scratch[32];
+    long long r = blockIdx.x;
+    float* x = s + r * sk;
+    int qp = q_pos[(row0 + r) % sq];
+    float mx = NEG_INF;
+    for (int j = threadIdx.x; j < sk; j += blockDim.x) if (k_pos[j] <= qp) mx = fmaxf(mx, x[j] * scale);
+    mx = block_max(mx, scratch);
+    if (mx == NEG_INF) {
+        for (int j = threadIdx.x; j < sk; j += blockDim.x) x[j] = 0.0f;
+        if (threadIdx.x == 0) lse[row0 + r] = NEG_INF;
+        return;
     }
-    float* orow = o + row * dm.hd;
-    float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; if (e < dm.hd) orow[e] = acc[c] * inv; }
-    if (lane == 0) lse[row] = l > 0.0f ? m + logf(l) : NEG_INF;
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < sk; j += blockDim.x) if (k_pos[j] <= qp) sum += expf(x[j] * scale - mx);
+    float l = mx + logf(block_sum(sum, scratch));
+    for (int j = threadIdx.x; j < sk; j += blockDim.x) x[j] = k_pos[j] <= qp ? expf(x[j] * scale - l) : 0.0f;
+    if (threadIdx.x == 0) lse[row0 + r] = l;
 }
 
-// D [B, H, Sq] = rowsum(dO ∘ O): one warp per row.
+// The backward's probabilities again, in place, from the scores and the saved lse.
+extern "C" __global__ void attn_probs(float* s, const float* lse, const int* q_pos, const int* k_pos, int sq, int sk, long long row0,
+                                      float scale) {
+    long long r = blockIdx.x;
+    float* x = s + r * sk;
+    int qp = q_pos[(row0 + r) % sq];
+    float l = lse[row0 + r];
+    for (int j = threadIdx.x; j < sk; j += blockDim.x) x[j] = (l != NEG_INF && k_pos[j] <= qp) ? expf(x[j] * scale - l) : 0.0f;
+}
+
+// In place dP → dS = scale · P ∘ (dP − D), D = rowsum(dO ∘ O) of the row (the gradient of the
+// unscaled scores QKᵀ).
+extern "C" __global__ void attn_dscores(float* dp, const float* p, const float* dd, int sk, long long row0, float scale) {
+    long long r = blockIdx.x;
+    float di = dd[row0 + r];
+    for (int j = threadIdx.x; j < sk; j += blockDim.x) {
+        long long e = r * sk + j;
+        dp[e] = scale * p[e] * (dp[e] - di);
+    }
+}
+
+// D [rows] = rowsum(dO ∘ O): one warp per row.
 extern "C" __global__ void attn_bwd_rowdot(float* dd, const float* d_o, const float* o, long long rows, int hd) {
     int lane = threadIdx.x & 31;
     long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (row >= rows) return;
-    float r[HD_LANE];
-    load_row(r, d_o + row * hd, hd, lane);
-    float s = row_dot(r, o + row * hd, hd, lane);
+    float s = 0.0f;
+    for (int e = lane; e < hd; e += WARP) s += d_o[row * hd + e] * o[row * hd + e];
+    s = warp_sum(s);
     if (lane == 0) dd[row] = s;
-}
-
-// dQ = scale · Σ_j P_ij (dP_ij − D_i) K_j over the visible keys: one warp per query row.
-extern "C" __global__ void attn_bwd_dq(float* dq, const float* q, const float* k, const float* v, const float* d_o,
-                                       const float* lse, const float* dd, const int* q_pos, const int* k_pos, AttnDims dm) {
-    int lane = threadIdx.x & 31;
-    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (row >= (long long)dm.b * dm.h * dm.sq) return;
-    int i = (int)(row % dm.sq), bh = (int)(row / dm.sq), hq = bh % dm.h, bi = bh / dm.h;
-    int g = hq / (dm.h / dm.kv);
-    const float* kb = k + ((size_t)bi * dm.kv + g) * dm.sk * dm.hd;
-    const float* vb = v + ((size_t)bi * dm.kv + g) * dm.sk * dm.hd;
-    float qr[HD_LANE], dor[HD_LANE], acc[HD_LANE];
-    load_row(qr, q + row * dm.hd, dm.hd, lane);
-    load_row(dor, d_o + row * dm.hd, dm.hd, lane);
-    for (int c = 0; c < HD_LANE; c++) acc[c] = 0.0f;
-    float l = lse[row], di = dd[row];
-    int qp = q_pos[i];
-    if (l != NEG_INF) {
-        for (int j = 0; j < dm.sk; j++) {
-            if (k_pos[j] > qp) continue;
-            const float* kr = kb + (size_t)j * dm.hd;
-            float p = expf(row_dot(qr, kr, dm.hd, lane) * dm.scale - l);
-            float ds = p * (row_dot(dor, vb + (size_t)j * dm.hd, dm.hd, lane) - di) * dm.scale;
-            for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; if (e < dm.hd) acc[c] += ds * kr[e]; }
-        }
-    }
-    float* out = dq + row * dm.hd;
-    for (int c = 0; c < HD_LANE; c++) { int e = lane + c * WARP; if (e < dm.hd) out[e] = acc[c]; }
-}
-
-// dV_j = Σ_i P_ij dO_i and dK_j = scale · Σ_i P_ij (dP_ij − D_i) Q_i over the query heads that
-// share the kv head and the queries that see key j: one warp per key row of [B, KV, Sk].
-extern "C" __global__ void attn_bwd_dkv(float* dk, float* dv, const float* q, const float* k, const float* v, const float* d_o,
-                                        const float* lse, const float* dd, const int* q_pos, const int* k_pos, AttnDims dm) {
-    int lane = threadIdx.x & 31;
-    long long row = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (row >= (long long)dm.b * dm.kv * dm.sk) return;
-    int j = (int)(row % dm.sk), bg = (int)(row / dm.sk), g = bg % dm.kv, bi = bg / dm.kv;
-    int rep = dm.h / dm.kv;
-    float kr[HD_LANE], vr[HD_LANE], dk_acc[HD_LANE], dv_acc[HD_LANE];
-    load_row(kr, k + row * dm.hd, dm.hd, lane);
-    load_row(vr, v + row * dm.hd, dm.hd, lane);
-    for (int c = 0; c < HD_LANE; c++) { dk_acc[c] = 0.0f; dv_acc[c] = 0.0f; }
-    int kp = k_pos[j];
-    for (int hh = g * rep; hh < (g + 1) * rep; hh++) {
-        size_t base = ((size_t)bi * dm.h + hh) * dm.sq;
-        for (int i = 0; i < dm.sq; i++) {
-            if (q_pos[i] < kp) continue;
-            const float* qr = q + (base + i) * dm.hd;
-            const float* dor = d_o + (base + i) * dm.hd;
-            float p = expf(row_dot(kr, qr, dm.hd, lane) * dm.scale - lse[base + i]);
-            float ds = p * (row_dot(vr, dor, dm.hd, lane) - dd[base + i]) * dm.scale;
-            for (int c = 0; c < HD_LANE; c++) {
-                int e = lane + c * WARP;
-                if (e < dm.hd) { dv_acc[c] += p * dor[e]; dk_acc[c] += ds * qr[e]; }
-            }
-        }
-    }
-    for (int c = 0; c < HD_LANE; c++) {
-        int e = lane + c * WARP;
-        if (e < dm.hd) { dk[row * dm.hd + e] = dk_acc[c]; dv[row * dm.hd + e] = dv_acc[c]; }
-    }
 }
 
 // Online-softmax merge of a partial result over one block of keys into the running (o, lse)

@@ -1,14 +1,13 @@
 //! NVIDIA GPUs through `cudarc` (Cargo feature `cuda`). The only module that names `cudarc`.
 //!
-//! What exists (issue 10, in pieces): opening the rank's GPU (chosen from its node-local
-//! rank), cuBLAS GEMMs in fp32 and bf16 (f32 accumulation), every kernel of the decoder step
-//! as CUDA C (`kernels.cu`: RMSNorm, RoPE with the head transposes, SwiGLU, residual adds,
-//! cross entropy, flash-style attention forward and backward, AdamW, bf16 conversions)
-//! compiled once at start by NVRTC for the device's architecture, NCCL communicators
-//! bootstrapped over an MPI group, and `ndtrain gpu-check` ([`check`]), which runs each of
-//! them against the CPU reference. The model does not run on it yet: the backend boundary that
-//! lets the model, the parallel strategies and the optimiser run on either is the next piece
-//! (`docs/gpu.md`).
+//! Opening the rank's GPU (chosen from its node-local rank), cuBLAS GEMMs (strided-batched,
+//! f32 or bf16 operands, f32 accumulation, optionally TF32), the decoder's kernels as CUDA C
+//! (`kernels.cu`: RMSNorm, RoPE with the head transposes, SwiGLU, residual adds, embedding,
+//! cross entropy, attention's softmax and score gradients, AdamW, the gradient norm, bf16
+//! conversions) compiled once at start by NVRTC for the device's architecture, the
+//! [`backend::GpuBackend`] that runs the model and the one-device training loop on them, NCCL
+//! communicators bootstrapped over an MPI group, and `ndtrain gpu-check` ([`check`]), which
+//! runs every backend operation against the host backend (`docs/gpu.md`).
 //!
 //! The CUDA libraries are loaded at run time (`dynamic-loading`), so this builds on machines
 //! without CUDA; where a library is missing, [`Gpu::open`] returns an error that names it
@@ -19,7 +18,7 @@ pub mod check;
 
 use crate::comm::Group;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::{CudaBlas, GemmConfig};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs, LaunchConfig,
     PushKernelArg,
@@ -47,10 +46,10 @@ pub const KERNELS: [&str; 26] = [
     "ce_target_logit",
     "ce_finish",
     "ce_bwd_inplace",
-    "attn_fwd",
+    "attn_softmax",
+    "attn_probs",
+    "attn_dscores",
     "attn_bwd_rowdot",
-    "attn_bwd_dq",
-    "attn_bwd_dkv",
     "attn_merge",
     "embed_fwd",
     "embed_bwd",
@@ -65,8 +64,8 @@ pub const KERNELS: [&str; 26] = [
 /// Threads per block of the elementwise kernels and of a row kernel (RMSNorm, cross entropy).
 const BLOCK: u32 = 256;
 
-/// Warps per block of the attention kernels (one warp per query or key row).
-const ATTN_WARPS: u32 = 8;
+/// Warps per block of the row kernels that give a warp to each row.
+const ROW_WARPS: u32 = 8;
 
 /// The CUDA libraries this backend loads, with the names `cudarc` looks for.
 const LIBRARIES: [(&str, &str); 4] = [("cuda", "the NVIDIA driver"), ("cublas", "cuBLAS"), ("nvrtc", "NVRTC"), ("nccl", "NCCL")];
@@ -125,43 +124,6 @@ fn err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
 /// A device buffer of f32.
 pub type Buf = CudaSlice<f32>;
 
-/// The sizes of one attention call as the kernels take them (`model::attention::AttnDims`
-/// plus the softmax scale), passed by value.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct AttnDims {
-    pub b: i32,
-    pub h: i32,
-    pub kv: i32,
-    pub sq: i32,
-    pub sk: i32,
-    pub hd: i32,
-    pub scale: f32,
-}
-
-// SAFETY: a plain `repr(C)` struct of 32-bit numbers, laid out as `struct AttnDims` in
-// kernels.cu.
-unsafe impl DeviceRepr for AttnDims {}
-
-impl AttnDims {
-    pub fn new(d: crate::model::attention::AttnDims) -> Result<AttnDims, String> {
-        let hd_max = 256;
-        if d.hd > hd_max || d.hd % 2 != 0 {
-            return Err(format!("the GPU attention kernels take an even head_dim ≤ {hd_max}, not {}", d.hd));
-        }
-        let i = |x: usize| i32::try_from(x).map_err(|_| format!("attention size {x} does not fit the GPU kernels' 32-bit indices"));
-        Ok(AttnDims { b: i(d.b)?, h: i(d.h)?, kv: i(d.kv)?, sq: i(d.sq)?, sk: i(d.sk)?, hd: i(d.hd)?, scale: 1.0 / (d.hd as f32).sqrt() })
-    }
-
-    fn q_rows(&self) -> usize {
-        (self.b * self.h * self.sq) as usize
-    }
-
-    fn k_rows(&self) -> usize {
-        (self.b * self.kv * self.sk) as usize
-    }
-}
-
 /// The rank's GPU: context, stream, cuBLAS handle and the compiled kernels.
 pub struct Gpu {
     pub ordinal: usize,
@@ -184,7 +146,7 @@ fn per_row(rows: usize) -> LaunchConfig {
 }
 
 fn warp_per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows.div_ceil(ATTN_WARPS as usize) as u32, 1, 1), block_dim: (32 * ATTN_WARPS, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig { grid_dim: (rows.div_ceil(ROW_WARPS as usize) as u32, 1, 1), block_dim: (32 * ROW_WARPS, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// Buffer-size preconditions of a launch: the kernels index by the sizes they are given.
@@ -211,6 +173,48 @@ fn gemm_config(m: usize, n: usize, k: usize, (ta, tb): (bool, bool), beta: f32) 
         ldb: if ta { m } else { k } as i32,
         beta,
         ldc: n as i32,
+    }
+}
+
+/// A GEMM operand: a device buffer of f32, or of bf16 bit patterns, from element `.1` on.
+#[derive(Clone, Copy)]
+pub enum Operand<'a> {
+    F32(&'a CudaSlice<f32>, usize),
+    Bf16(&'a CudaSlice<u16>, usize),
+}
+
+impl Operand<'_> {
+    /// Elements from the offset to the end of the buffer.
+    fn available(&self) -> usize {
+        match *self {
+            Operand::F32(s, o) => s.len().saturating_sub(o),
+            Operand::Bf16(s, o) => s.len().saturating_sub(o),
+        }
+    }
+
+    fn is_f32(&self) -> bool {
+        matches!(self, Operand::F32(..))
+    }
+
+    fn dtype(&self) -> cudaDataType {
+        if self.is_f32() {
+            cudaDataType::CUDA_R_32F
+        } else {
+            cudaDataType::CUDA_R_16BF
+        }
+    }
+
+    fn device_ptr<'s>(&'s self, stream: &'s Arc<CudaStream>) -> (u64, cudarc::driver::SyncOnDrop<'s>) {
+        match *self {
+            Operand::F32(s, o) => {
+                let (p, g) = s.device_ptr(stream);
+                (p + (4 * o) as u64, g)
+            }
+            Operand::Bf16(s, o) => {
+                let (p, g) = s.device_ptr(stream);
+                (p + (2 * o) as u64, g)
+            }
+        }
     }
 }
 
@@ -265,52 +269,46 @@ impl Gpu {
         self.stream.alloc_zeros::<T>(n).map_err(err("allocating on the GPU"))
     }
 
-    /// Row-major `c [m, n] = op(a) · op(b) + beta · c` through cuBLAS in fp32, `op` a
-    /// transpose where `trans` says (`a` is stored `[m, k]`, or `[k, m]` when transposed; `b`
-    /// `[k, n]` or `[n, k]`). cuBLAS is column-major, so it computes `cᵀ = op(b)ᵀ · op(a)ᵀ`,
-    /// which is the same memory.
-    pub fn gemm(
+    /// `count` row-major products `c_i [m, n] = op(a_i) · op(b_i) + beta · c_i` through
+    /// `cublasGemmStridedBatchedEx`, the `i`-th operands `stride` elements after the first
+    /// (`a_i` is stored `[m, k]`, or `[k, m]` when transposed; `b_i` `[k, n]` or `[n, k]`).
+    /// Operands are f32 or bf16; accumulation and `c` are f32; `tf32` lets f32 operands use
+    /// the tensor cores with TF32 (10-bit mantissa) products. cuBLAS is column-major, so it
+    /// computes `cᵀ = op(b)ᵀ · op(a)ᵀ`, which is the same memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_batched(
         &self,
-        c: &mut CudaSlice<f32>,
-        a: &CudaSlice<f32>,
-        b: &CudaSlice<f32>,
+        c: (&mut CudaSlice<f32>, usize),
+        a: Operand<'_>,
+        b: Operand<'_>,
         (m, n, k): (usize, usize, usize),
         trans: (bool, bool),
         beta: f32,
+        (count, strides): (usize, (usize, usize, usize)),
+        tf32: bool,
     ) -> Result<(), String> {
-        need("gemm", a.len() >= m * k && b.len() >= k * n && c.len() >= m * n)?;
-        if m == 0 || n == 0 {
+        if m == 0 || n == 0 || count == 0 {
             return Ok(());
         }
-        let cfg = gemm_config(m, n, k, trans, beta);
-        // SAFETY: the slices hold m·k, k·n and m·n elements (checked), as the config says.
-        unsafe { self.blas.gemm(cfg, b, a, c) }.map_err(|e| format!("cuBLAS sgemm: {e:?}"))
-    }
-
-    /// [`Gpu::gemm`] with bf16 operands (bit patterns in `u16`), f32 accumulation and output
-    /// (`cublasGemmEx`, tensor cores): mixed precision.
-    pub fn gemm_bf16(
-        &self,
-        c: &mut CudaSlice<f32>,
-        a: &CudaSlice<u16>,
-        b: &CudaSlice<u16>,
-        (m, n, k): (usize, usize, usize),
-        trans: (bool, bool),
-        beta: f32,
-    ) -> Result<(), String> {
-        need("gemm_bf16", a.len() >= m * k && b.len() >= k * n && c.len() >= m * n)?;
-        if m == 0 || n == 0 {
-            return Ok(());
-        }
+        let last = |stride: usize, len: usize| (count - 1) * stride + len;
+        need(
+            "gemm",
+            a.available() >= last(strides.0, m * k) && b.available() >= last(strides.1, k * n) && c.0.len() >= c.1 + last(strides.2, m * n),
+        )?;
+        let i32_ok = [m, n, k, count].iter().all(|&x| i32::try_from(x).is_ok());
+        need("gemm (sizes beyond 32 bits)", i32_ok)?;
         let cfg = gemm_config(m, n, k, trans, beta);
         let alpha = 1.0f32;
-        let (pa, _ra) = a.device_ptr(&self.stream);
-        let (pb, _rb) = b.device_ptr(&self.stream);
-        let (pc, _rc) = c.device_ptr_mut(&self.stream);
-        // SAFETY: device pointers of buffers of the checked sizes, on the handle's stream; the
-        // scalars are f32 as the compute type requires.
+        let (pa, _ga) = a.device_ptr(&self.stream);
+        let (pb, _gb) = b.device_ptr(&self.stream);
+        let (pc, _gc) = c.0.device_ptr_mut(&self.stream);
+        let pc = pc + (4 * c.1) as u64;
+        let compute =
+            if tf32 && a.is_f32() { cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32 } else { cublasComputeType_t::CUBLAS_COMPUTE_32F };
+        // SAFETY: device pointers of buffers holding every operand at the checked offsets and
+        // strides, on the handle's stream; the scalars are f32 as the compute type requires.
         unsafe {
-            cudarc::cublas::result::gemm_ex(
+            cudarc::cublas::result::gemm_strided_batched_ex(
                 *self.blas.handle(),
                 cfg.transa,
                 cfg.transb,
@@ -319,20 +317,37 @@ impl Gpu {
                 cfg.k,
                 (&alpha) as *const f32 as *const _,
                 pb as *const _,
-                cudaDataType::CUDA_R_16BF,
+                b.dtype(),
                 cfg.lda,
+                strides.1 as i64,
                 pa as *const _,
-                cudaDataType::CUDA_R_16BF,
+                a.dtype(),
                 cfg.ldb,
+                strides.0 as i64,
                 (&cfg.beta) as *const f32 as *const _,
                 pc as *mut _,
                 cudaDataType::CUDA_R_32F,
                 cfg.ldc,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                strides.2 as i64,
+                count as i32,
+                compute,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
         }
-        .map_err(|e| format!("cublasGemmEx (bf16): {e:?}"))
+        .map_err(|e| format!("cublasGemmStridedBatchedEx ({m}×{n}×{k}, {count} products): {e:?}"))
+    }
+
+    /// One row-major product `c [m, n] = op(a) · op(b) + beta · c` (see [`Gpu::gemm_batched`]).
+    pub fn gemm(
+        &self,
+        c: &mut CudaSlice<f32>,
+        a: Operand<'_>,
+        b: Operand<'_>,
+        mnk: (usize, usize, usize),
+        trans: (bool, bool),
+        beta: f32,
+    ) -> Result<(), String> {
+        self.gemm_batched((c, 0), a, b, mnk, trans, beta, (1, (0, 0, 0)), false)
     }
 
     /// RMSNorm forward of `n` rows of `d` (`model::kernels::rmsnorm_fwd`).
@@ -504,67 +519,70 @@ impl Gpu {
         Self::launch("ce_bwd_inplace", l, per_row(n))
     }
 
-    /// Attention forward (`model::attention::attention_fwd`): `o [B, H, Sq, hd]`,
-    /// `lse [B, H, Sq]`; positions are global, causality by position.
+    /// `rows` rows of scores `[rows, sk]` (rows `row0..` of the attention) become, in place,
+    /// the causal softmax of `scale · s`; `lse[row0..]` their log-sum-exps.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention_fwd(
+    pub fn attn_softmax(
         &self,
-        o: &mut CudaSlice<f32>,
+        s: &mut CudaSlice<f32>,
         lse: &mut CudaSlice<f32>,
-        (q, k, v): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
-        q_pos: &CudaSlice<i32>,
-        k_pos: &CudaSlice<i32>,
-        dm: AttnDims,
+        (q_pos, k_pos): (&CudaSlice<i32>, &CudaSlice<i32>),
+        (rows, row0, sq, sk): (usize, usize, usize, usize),
+        scale: f32,
     ) -> Result<(), String> {
-        let (rows, hd) = (dm.q_rows(), dm.hd as usize);
-        let kr = dm.k_rows();
-        need(
-            "attention_fwd",
-            o.len() >= rows * hd
-                && lse.len() >= rows
-                && q.len() >= rows * hd
-                && k.len() >= kr * hd
-                && v.len() >= kr * hd
-                && q_pos.len() >= dm.sq as usize
-                && k_pos.len() >= dm.sk as usize,
-        )?;
-        let mut l = self.launcher("attn_fwd");
-        l.arg(o).arg(lse).arg(q).arg(k).arg(v).arg(q_pos).arg(k_pos).arg(&dm);
-        Self::launch("attn_fwd", l, warp_per_row(rows))
+        need("attn_softmax", s.len() >= rows * sk && lse.len() >= row0 + rows && q_pos.len() >= sq && k_pos.len() >= sk)?;
+        let (sq32, sk32, r0) = (sq as i32, sk as i32, row0 as i64);
+        let mut l = self.launcher("attn_softmax");
+        l.arg(s).arg(lse).arg(q_pos).arg(k_pos).arg(&sq32).arg(&sk32).arg(&r0).arg(&scale);
+        Self::launch("attn_softmax", l, per_row(rows))
     }
 
-    /// Attention backward (`model::attention::attention_bwd`): overwrites `dq`, `dk`, `dv`;
-    /// `dd [B, H, Sq]` is scratch for `rowsum(dO ∘ O)`.
+    /// The backward's probabilities, in place, from the scores and the saved `lse`.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention_bwd(
+    pub fn attn_probs(
         &self,
-        (dq, dk, dv, dd): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
-        d_o: &CudaSlice<f32>,
-        (q, k, v, o, lse): (&Buf, &Buf, &Buf, &Buf, &Buf),
-        q_pos: &CudaSlice<i32>,
-        k_pos: &CudaSlice<i32>,
-        dm: AttnDims,
+        s: &mut CudaSlice<f32>,
+        lse: &CudaSlice<f32>,
+        (q_pos, k_pos): (&CudaSlice<i32>, &CudaSlice<i32>),
+        (rows, row0, sq, sk): (usize, usize, usize, usize),
+        scale: f32,
     ) -> Result<(), String> {
-        let (rows, kr, hd) = (dm.q_rows(), dm.k_rows(), dm.hd as usize);
-        need(
-            "attention_bwd",
-            [dq.len(), q.len(), o.len(), d_o.len()].iter().all(|&x| x >= rows * hd)
-                && [dk.len(), dv.len(), k.len(), v.len()].iter().all(|&x| x >= kr * hd)
-                && lse.len() >= rows
-                && dd.len() >= rows
-                && q_pos.len() >= dm.sq as usize
-                && k_pos.len() >= dm.sk as usize,
-        )?;
-        let (rows64, hd32) = (rows as i64, dm.hd);
+        need("attn_probs", s.len() >= rows * sk && lse.len() >= row0 + rows && q_pos.len() >= sq && k_pos.len() >= sk)?;
+        let (sq32, sk32, r0) = (sq as i32, sk as i32, row0 as i64);
+        let mut l = self.launcher("attn_probs");
+        l.arg(s).arg(lse).arg(q_pos).arg(k_pos).arg(&sq32).arg(&sk32).arg(&r0).arg(&scale);
+        Self::launch("attn_probs", l, per_row(rows))
+    }
+
+    /// In place `dp ← scale · p ∘ (dp − dd[row])` over `rows` rows of `sk`.
+    pub fn attn_dscores(
+        &self,
+        dp: &mut CudaSlice<f32>,
+        p: &CudaSlice<f32>,
+        dd: &CudaSlice<f32>,
+        (rows, row0, sk): (usize, usize, usize),
+        scale: f32,
+    ) -> Result<(), String> {
+        need("attn_dscores", dp.len() >= rows * sk && p.len() >= rows * sk && dd.len() >= row0 + rows)?;
+        let (sk32, r0) = (sk as i32, row0 as i64);
+        let mut l = self.launcher("attn_dscores");
+        l.arg(dp).arg(p).arg(dd).arg(&sk32).arg(&r0).arg(&scale);
+        Self::launch("attn_dscores", l, per_row(rows))
+    }
+
+    /// `dd [rows] = rowsum(d_o ∘ o)` over rows of `hd`.
+    pub fn attn_rowdot(
+        &self,
+        dd: &mut CudaSlice<f32>,
+        d_o: &CudaSlice<f32>,
+        o: &CudaSlice<f32>,
+        (rows, hd): (usize, usize),
+    ) -> Result<(), String> {
+        need("attn_rowdot", dd.len() >= rows && d_o.len() >= rows * hd && o.len() >= rows * hd)?;
+        let (rows64, hd32) = (rows as i64, hd as i32);
         let mut l = self.launcher("attn_bwd_rowdot");
-        l.arg(&mut *dd).arg(d_o).arg(o).arg(&rows64).arg(&hd32);
-        Self::launch("attn_bwd_rowdot", l, warp_per_row(rows))?;
-        let mut l = self.launcher("attn_bwd_dq");
-        l.arg(dq).arg(q).arg(k).arg(v).arg(d_o).arg(lse).arg(&*dd).arg(q_pos).arg(k_pos).arg(&dm);
-        Self::launch("attn_bwd_dq", l, warp_per_row(rows))?;
-        let mut l = self.launcher("attn_bwd_dkv");
-        l.arg(dk).arg(dv).arg(q).arg(k).arg(v).arg(d_o).arg(lse).arg(&*dd).arg(q_pos).arg(k_pos).arg(&dm);
-        Self::launch("attn_bwd_dkv", l, warp_per_row(kr))
+        l.arg(dd).arg(d_o).arg(o).arg(&rows64).arg(&hd32);
+        Self::launch("attn_bwd_rowdot", l, warp_per_row(rows))
     }
 
     /// One AdamW update of one tensor with the coefficients `optim::AdamW` computes.
