@@ -1,8 +1,9 @@
 //! The CUDA backend: [`Backend`] on the rank's GPU. Every operation is one kernel of
 //! `kernels.cu` or one cuBLAS call on device buffers, launched on the GPU's stream in order;
-//! the host waits only where a value comes back (the loss, the gradient norm). GEMMs run in
-//! fp32 (`cublasSgemm`) or, with `precision = "bf16"`, on bf16 copies of their operands with
-//! f32 accumulation (`cublasGemmEx`, tensor cores); everything else stays f32.
+//! the host waits only where a value comes back (the loss, the gradient norm). The linear
+//! layers' GEMMs run in fp32 or, with `precision = "bf16"`, on bf16 copies of their operands
+//! with f32 accumulation (tensor cores); attention's batched GEMMs in fp32 or, under bf16, with
+//! TF32 products; everything else stays f32.
 //!
 //! A failing CUDA call panics with its message: the panic hook aborts the MPI job (what can
 //! fail before the first step — a missing library, no GPU — is an error from [`GpuBackend::open`]).
