@@ -307,7 +307,8 @@ fn sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise() {
 }
 
 /// Acceptance 5: loading a checkpoint, a rank's memory grows with its shard, not the model. A
-/// 16.0 M-parameter model (184 MiB with its moments) written by 4 ranks is loaded by 1, 2 and 4.
+/// 16.0 M-parameter model (184 MiB with its moments) written by 4 ranks is loaded by 1, 2 and 4;
+/// so is its Hugging Face export (`init_from`, 61 MiB of parameters).
 #[test]
 fn loading_memory_grows_with_the_shard_not_the_model() {
     let dir = tempfile::tempdir().unwrap();
@@ -324,28 +325,46 @@ fn loading_memory_grows_with_the_shard_not_the_model() {
         "optim.warmup_steps=1",
         "checkpoint.every=1",
     ];
-    train_losses(d, "writer", &tiny_deck(), Some(4), &model);
+    let hf = format!("checkpoint.export_hf=\"{}\"", d.join("hf").display());
+    let mut writer = model.to_vec();
+    writer.push(&hf);
+    train_losses(d, "writer", &tiny_deck(), Some(4), &writer);
+    // Resuming the checkpoint (parameters and both moments), and starting from the Hugging
+    // Face export of the same model (`init_from`: parameters only, read by slices).
     let r = resume_from(&ckpt(d, "writer", 1));
+    let init = format!("checkpoint.init_from=\"{}\"", d.join("hf").display());
+    for (what, load) in [("resume", &r), ("init_from", &init)] {
+        assert_loading_memory_follows_the_shard(d, what, &model, load);
+    }
+}
+
+fn assert_loading_memory_follows_the_shard(d: &Path, what: &str, model: &[&str], load: &str) {
     let mut grown = vec![];
     for n in [1usize, 2, 4] {
         let mut sets = model.to_vec();
-        sets.push(&r);
-        train_losses(d, &format!("load{n}"), &tiny_deck(), Some(n), &sets);
-        let csv = std::fs::read_to_string(d.join(format!("load{n}/checkpoint_io.csv"))).unwrap();
+        sets.push(load);
+        sets.retain(|s| !(what == "init_from" && s.starts_with("checkpoint.every")));
+        train_losses(d, &format!("{what}{n}"), &tiny_deck(), Some(n), &sets);
+        let csv = std::fs::read_to_string(d.join(format!("{what}{n}/checkpoint_io.csv"))).unwrap();
         let row: Vec<&str> = csv.lines().find(|l| l.contains(",load,")).expect("a load row").split(',').collect();
         let (before, peak, state): (f64, f64, f64) = (row[7].parse().unwrap(), row[8].parse().unwrap(), row[9].parse().unwrap());
         let mib = |x: f64| x / 1048576.0;
-        eprintln!("{n} rank(s): state {:.1} MiB/rank, resident {:.1} MiB before, peak {:.1} MiB after", mib(state), mib(before), mib(peak));
+        eprintln!(
+            "{what}, {n} rank(s): state {:.1} MiB/rank, resident {:.1} MiB before, peak {:.1} MiB after",
+            mib(state),
+            mib(before),
+            mib(peak)
+        );
         // The shard itself plus at most 32 MiB of HDF5/MPI-IO buffers.
         assert!(
             peak - before <= state + 32.0 * 1048576.0,
-            "{n} ranks: grew {:.1} MiB for a {:.1} MiB shard",
+            "{what}, {n} ranks: grew {:.1} MiB for a {:.1} MiB shard",
             mib(peak - before),
             mib(state)
         );
         grown.push(peak - before);
     }
-    assert!(grown[2] < 0.5 * grown[0], "4 ranks must need well under half of what 1 rank needs: {grown:?}");
+    assert!(grown[2] < 0.5 * grown[0], "{what}: 4 ranks must need well under half of what 1 rank needs: {grown:?}");
 }
 
 /// `ckpt export` writes the Hugging Face folder the run's own `export_hf` writes; `keep`
