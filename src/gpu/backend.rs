@@ -8,6 +8,7 @@
 //! A failing CUDA call panics with its message: the panic hook aborts the MPI job (what can
 //! fail before the first step — a missing library, no GPU — is an error from [`GpuBackend::open`]).
 
+use super::attention::{self, AttnDevice, AttnPlan, SCORES_CAP};
 use super::{Gpu, Operand};
 use crate::backend::{AdamStep, Backend, Precision};
 use crate::model::attention::AttnDims;
@@ -75,51 +76,42 @@ struct Shared {
 /// Blocks of the gradient-norm reduction (a fixed grid: the sum is deterministic).
 const SUM_SQ_BLOCKS: usize = 1024;
 
-/// Elements of one attention score buffer (1 GiB of f32): the (batch, kv head) groups are
-/// processed in chunks that fit it.
-const SCORES_CAP: usize = 1 << 28;
-
-/// How one attention call is cut: `groups = B·KV` products of `rep·Sq` query rows (the query
-/// heads sharing a kv head, stacked) against `Sk` keys, `chunk` groups at a time.
-struct AttnPlan {
-    groups: usize,
-    chunk: usize,
-    /// Query rows of one group, and the elements of a group's q / k block and scores.
-    rows: usize,
-    q_block: usize,
-    k_block: usize,
-    s_block: usize,
-    sq: usize,
-    sk: usize,
-    hd: usize,
-    scale: f32,
+/// The three GEMMs of a linear layer `y [m, n] = x [m, k] · wᵀ` (`real::linear_*`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Linear {
+    /// `y = x · wᵀ`.
+    Forward,
+    /// `dx [m, k] = dy · w`.
+    Input,
+    /// `dw [n, k] = dyᵀ · x`.
+    Weight,
 }
 
-impl AttnPlan {
-    fn new(dm: AttnDims) -> AttnPlan {
-        let i32_ok = [dm.b * dm.h * dm.sq, dm.sq, dm.sk, dm.hd].iter().all(|&x| i32::try_from(x).is_ok());
-        assert!(i32_ok && dm.kv > 0 && dm.h % dm.kv == 0, "attention sizes {dm:?} beyond the GPU kernels' 32-bit indices");
-        let rows = dm.h / dm.kv * dm.sq;
-        let s_block = rows * dm.sk;
-        let groups = dm.b * dm.kv;
-        AttnPlan {
-            groups,
-            chunk: (SCORES_CAP / s_block.max(1)).clamp(1, groups.max(1)),
-            rows,
-            q_block: rows * dm.hd,
-            k_block: dm.sk * dm.hd,
-            s_block,
-            sq: dm.sq,
-            sk: dm.sk,
-            hd: dm.hd,
-            scale: 1.0 / (dm.hd as f32).sqrt(),
+/// The row-major product `(M, N, K)` and operand transposes of each.
+pub(crate) fn linear_gemm(which: Linear, m: usize, n: usize, k: usize) -> ((usize, usize, usize), (bool, bool)) {
+    match which {
+        Linear::Forward => ((m, n, k), (false, true)),
+        Linear::Input => ((m, k, n), (false, false)),
+        Linear::Weight => ((n, k, m), (true, false)),
+    }
+}
+
+/// The token indices grouped by id for the embedding backward: the distinct ids ascending,
+/// where each one's tokens start in `order` (and a final end), and the token indices, each
+/// group ascending (a stable sort), so `embed_bwd` adds a row's tokens in token order.
+pub(crate) fn group_ids(ids: &[u32]) -> (Vec<u32>, Vec<i32>, Vec<i32>) {
+    let mut order: Vec<i32> = (0..ids.len() as i32).collect();
+    order.sort_by_key(|&i| ids[i as usize]);
+    let (mut uniq, mut starts) = (Vec::new(), Vec::new());
+    for (k, &i) in order.iter().enumerate() {
+        let id = ids[i as usize];
+        if uniq.last() != Some(&id) {
+            uniq.push(id);
+            starts.push(k as i32);
         }
     }
-
-    /// `(first group, groups)` of each chunk.
-    fn chunks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        (0..self.groups).step_by(self.chunk).map(|g| (g, self.chunk.min(self.groups - g)))
-    }
+    starts.push(order.len() as i32);
+    (uniq, starts, order)
 }
 
 fn ok<R>(what: &str, r: Result<R, String>) -> R {
@@ -197,13 +189,9 @@ impl GpuBackend {
         }
     }
 
-    /// A scratch buffer of at least `n` elements (grown, never shrunk).
-    fn scratch<'a>(&self, cell: &'a RefCell<DevBuf<f32>>, n: usize) -> std::cell::RefMut<'a, DevBuf<f32>> {
-        let mut b = cell.borrow_mut();
-        if b.len() < n {
-            *b = self.alloc(n);
-        }
-        b
+    /// The attention orchestration's view of this GPU.
+    fn attn(&self) -> GpuAttn<'_> {
+        GpuAttn { be: self, tf32: self.precision == Precision::Bf16 }
     }
 
     /// The GEMM rate of this GPU in the configured precision (FLOP/s): a few 8192³ products
@@ -275,18 +263,7 @@ impl Backend<f32> for GpuBackend {
 
     fn set_ids(&self, dst: &mut DevIds, host: &[u32]) {
         self.put(&mut dst.ids, host);
-        // Token indices grouped by id, ascending within each id (a stable sort).
-        let mut order: Vec<i32> = (0..host.len() as i32).collect();
-        order.sort_by_key(|&i| host[i as usize]);
-        let (mut uniq, mut starts) = (Vec::new(), Vec::new());
-        for (k, &i) in order.iter().enumerate() {
-            let id = host[i as usize];
-            if uniq.last() != Some(&id) {
-                uniq.push(id);
-                starts.push(k as i32);
-            }
-        }
-        starts.push(order.len() as i32);
+        let (uniq, starts, order) = group_ids(host);
         self.put(&mut dst.uniq, &uniq);
         self.put(&mut dst.starts, &starts);
         self.put(&mut dst.order, &order);
@@ -298,15 +275,18 @@ impl Backend<f32> for GpuBackend {
     }
 
     fn linear_fwd(&self, y: &mut DevBuf<f32>, x: &DevBuf<f32>, w: &DevBuf<f32>, m: usize, n: usize, k: usize, acc: bool) {
-        self.gemm(y, x, w, (m, n, k), (false, true), acc);
+        let (mnk, trans) = linear_gemm(Linear::Forward, m, n, k);
+        self.gemm(y, x, w, mnk, trans, acc);
     }
 
     fn linear_bwd_input(&self, dx: &mut DevBuf<f32>, dy: &DevBuf<f32>, w: &DevBuf<f32>, m: usize, n: usize, k: usize, acc: bool) {
-        self.gemm(dx, dy, w, (m, k, n), (false, false), acc);
+        let (mnk, trans) = linear_gemm(Linear::Input, m, n, k);
+        self.gemm(dx, dy, w, mnk, trans, acc);
     }
 
     fn linear_bwd_weight(&self, dw: &mut DevBuf<f32>, dy: &DevBuf<f32>, x: &DevBuf<f32>, m: usize, n: usize, k: usize, acc: bool) {
-        self.gemm(dw, dy, x, (n, k, m), (true, false), acc);
+        let (mnk, trans) = linear_gemm(Linear::Weight, m, n, k);
+        self.gemm(dw, dy, x, mnk, trans, acc);
     }
 
     fn rmsnorm_fwd(&self, y: &mut DevBuf<f32>, rstd: &mut DevBuf<f32>, x: &DevBuf<f32>, w: &DevBuf<f32>, d: usize, eps: f64) {
@@ -446,9 +426,7 @@ impl Backend<f32> for GpuBackend {
         }
     }
 
-    /// Per chunk of (batch, kv head) groups: `S = Q·Kᵀ` (batched GEMM, the group's query
-    /// heads stacked as rows), the causal softmax in place with its log-sum-exp, `O = P·V`.
-    /// The products follow the precision: f32, or TF32 tensor-core products under bf16.
+    /// Batched-GEMM attention (`gpu::attention`): fp32 products, or TF32 under bf16.
     fn attention_fwd(
         &self,
         o: &mut DevBuf<f32>,
@@ -463,49 +441,11 @@ impl Backend<f32> for GpuBackend {
         if q.is_empty() {
             return;
         }
-        let p = AttnPlan::new(dm);
-        let tf32 = self.precision == Precision::Bf16;
-        let g = self.gpu();
-        let mut s = self.scratch(&self.shared.scores, p.chunk * p.s_block);
-        for (g0, n) in p.chunks() {
-            let batch = |a: usize, b: usize, c: usize| (n, (a, b, c));
-            let (qa, ka, va) =
-                (Operand::F32(q.get(), g0 * p.q_block), Operand::F32(k.get(), g0 * p.k_block), Operand::F32(v.get(), g0 * p.k_block));
-            ok(
-                "attention QKᵀ",
-                g.gemm_batched(
-                    (s.get_mut(), 0),
-                    qa,
-                    ka,
-                    (p.rows, p.sk, p.hd),
-                    (false, true),
-                    0.0,
-                    batch(p.q_block, p.k_block, p.s_block),
-                    tf32,
-                ),
-            );
-            let rows = (n * p.rows, g0 * p.rows, p.sq, p.sk);
-            ok("attention softmax", g.attn_softmax(s.get_mut(), lse.get_mut(), (q_pos.get(), k_pos.get()), rows, p.scale));
-            let sa = Operand::F32(s.get(), 0);
-            ok(
-                "attention PV",
-                g.gemm_batched(
-                    (o.get_mut(), g0 * p.q_block),
-                    sa,
-                    va,
-                    (p.rows, p.hd, p.sk),
-                    (false, false),
-                    0.0,
-                    batch(p.s_block, p.k_block, p.q_block),
-                    tf32,
-                ),
-            );
-        }
+        let plan = AttnPlan::new(dm, SCORES_CAP);
+        let mut s = self.shared.scores.borrow_mut();
+        attention::forward(&self.attn(), &plan, &mut s, (o, lse), (q, k, v), (q_pos, k_pos));
     }
 
-    /// Per chunk: the probabilities again from `S = Q·Kᵀ` and the saved log-sum-exp,
-    /// `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = scale·P∘(dP − rowsum(dO∘O))`, `dQ = dS·K`,
-    /// `dK = dSᵀ·Q` (the sums over a group's query heads are the GEMMs' own).
     fn attention_bwd(
         &self,
         dq: &mut DevBuf<f32>,
@@ -524,89 +464,10 @@ impl Backend<f32> for GpuBackend {
         if q.is_empty() {
             return;
         }
-        let p = AttnPlan::new(dm);
-        let tf32 = self.precision == Precision::Bf16;
-        let g = self.gpu();
-        let mut dd = self.scratch(&self.shared.rowdot, lse.len());
-        ok("attention rowsum(dO∘O)", g.attn_rowdot(dd.get_mut(), d_o.get(), o.get(), (lse.len(), p.hd)));
-        let mut s = self.scratch(&self.shared.scores, p.chunk * p.s_block);
-        let mut ds = self.scratch(&self.shared.dscores, p.chunk * p.s_block);
-        for (g0, n) in p.chunks() {
-            let batch = |a: usize, b: usize, c: usize| (n, (a, b, c));
-            let (qo, ko, vo) = (g0 * p.q_block, g0 * p.k_block, g0 * p.k_block);
-            let (qa, ka, va, doa) =
-                (Operand::F32(q.get(), qo), Operand::F32(k.get(), ko), Operand::F32(v.get(), vo), Operand::F32(d_o.get(), qo));
-            ok(
-                "attention QKᵀ",
-                g.gemm_batched(
-                    (s.get_mut(), 0),
-                    qa,
-                    ka,
-                    (p.rows, p.sk, p.hd),
-                    (false, true),
-                    0.0,
-                    batch(p.q_block, p.k_block, p.s_block),
-                    tf32,
-                ),
-            );
-            let rows = (n * p.rows, g0 * p.rows, p.sq, p.sk);
-            ok("attention probabilities", g.attn_probs(s.get_mut(), lse.get(), (q_pos.get(), k_pos.get()), rows, p.scale));
-            let pa = Operand::F32(s.get(), 0);
-            ok(
-                "attention dV",
-                g.gemm_batched(
-                    (dv.get_mut(), vo),
-                    pa,
-                    doa,
-                    (p.sk, p.hd, p.rows),
-                    (true, false),
-                    0.0,
-                    batch(p.s_block, p.q_block, p.k_block),
-                    tf32,
-                ),
-            );
-            ok(
-                "attention dP",
-                g.gemm_batched(
-                    (ds.get_mut(), 0),
-                    doa,
-                    va,
-                    (p.rows, p.sk, p.hd),
-                    (false, true),
-                    0.0,
-                    batch(p.q_block, p.k_block, p.s_block),
-                    tf32,
-                ),
-            );
-            ok("attention dS", g.attn_dscores(ds.get_mut(), s.get(), dd.get(), (n * p.rows, g0 * p.rows, p.sk), p.scale));
-            let dsa = Operand::F32(ds.get(), 0);
-            ok(
-                "attention dQ",
-                g.gemm_batched(
-                    (dq.get_mut(), qo),
-                    dsa,
-                    ka,
-                    (p.rows, p.hd, p.sk),
-                    (false, false),
-                    0.0,
-                    batch(p.s_block, p.k_block, p.q_block),
-                    tf32,
-                ),
-            );
-            ok(
-                "attention dK",
-                g.gemm_batched(
-                    (dk.get_mut(), ko),
-                    dsa,
-                    qa,
-                    (p.sk, p.hd, p.rows),
-                    (true, false),
-                    0.0,
-                    batch(p.s_block, p.q_block, p.k_block),
-                    tf32,
-                ),
-            );
-        }
+        let plan = AttnPlan::new(dm, SCORES_CAP);
+        let (mut s, mut ds, mut dd) = (self.shared.scores.borrow_mut(), self.shared.dscores.borrow_mut(), self.shared.rowdot.borrow_mut());
+        let scratch = (&mut *s, &mut *ds, &mut *dd);
+        attention::backward(&self.attn(), &plan, scratch, (dq, dk, dv), (d_o, q, k, v, o, lse), (q_pos, k_pos));
     }
 
     fn attention_merge(&self, o: &mut DevBuf<f32>, lse: &mut DevBuf<f32>, o_part: &DevBuf<f32>, lse_part: &DevBuf<f32>, hd: usize) {
@@ -632,5 +493,99 @@ impl Backend<f32> for GpuBackend {
         if !p.is_empty() {
             ok("adamw", self.gpu().adamw(p.get_mut(), m.get_mut(), v.get_mut(), g.get(), step));
         }
+    }
+}
+
+/// The GPU as the attention orchestration's device (`gpu::attention`).
+struct GpuAttn<'a> {
+    be: &'a GpuBackend,
+    tf32: bool,
+}
+
+impl AttnDevice for GpuAttn<'_> {
+    type Buf = DevBuf<f32>;
+    type Pos = DevBuf<i32>;
+
+    fn ensure(&self, buf: &mut DevBuf<f32>, n: usize) {
+        if buf.len() < n {
+            *buf = self.be.alloc(n);
+        }
+    }
+
+    fn gemm(
+        &self,
+        c: (&mut DevBuf<f32>, usize),
+        a: (&DevBuf<f32>, usize),
+        b: (&DevBuf<f32>, usize),
+        mnk: (usize, usize, usize),
+        trans: (bool, bool),
+        batch: (usize, (usize, usize, usize)),
+    ) {
+        let (a, b) = (Operand::F32(a.0.get(), a.1), Operand::F32(b.0.get(), b.1));
+        ok("attention GEMM", self.be.gpu().gemm_batched((c.0.get_mut(), c.1), a, b, mnk, trans, 0.0, batch, self.tf32));
+    }
+
+    fn softmax(
+        &self,
+        s: &mut DevBuf<f32>,
+        lse: &mut DevBuf<f32>,
+        pos: (&DevBuf<i32>, &DevBuf<i32>),
+        rows: (usize, usize, usize, usize),
+        scale: f32,
+    ) {
+        ok("attention softmax", self.be.gpu().attn_softmax(s.get_mut(), lse.get_mut(), (pos.0.get(), pos.1.get()), rows, scale));
+    }
+
+    fn probs(
+        &self,
+        s: &mut DevBuf<f32>,
+        lse: &DevBuf<f32>,
+        pos: (&DevBuf<i32>, &DevBuf<i32>),
+        rows: (usize, usize, usize, usize),
+        scale: f32,
+    ) {
+        ok("attention probabilities", self.be.gpu().attn_probs(s.get_mut(), lse.get(), (pos.0.get(), pos.1.get()), rows, scale));
+    }
+
+    fn dscores(&self, dp: &mut DevBuf<f32>, p: &DevBuf<f32>, dd: &DevBuf<f32>, rows: (usize, usize, usize), scale: f32) {
+        ok("attention dS", self.be.gpu().attn_dscores(dp.get_mut(), p.get(), dd.get(), rows, scale));
+    }
+
+    fn rowdot(&self, dd: &mut DevBuf<f32>, d_o: &DevBuf<f32>, o: &DevBuf<f32>, rows: (usize, usize)) {
+        ok("attention rowsum(dO∘O)", self.be.gpu().attn_rowdot(dd.get_mut(), d_o.get(), o.get(), rows));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `embed_bwd` as the kernel computes it from `group_ids` (a row's tokens in order) is the
+    /// host's embedding backward bit for bit, with repeated ids and ids outside this rank's rows.
+    #[test]
+    fn grouped_ids_reproduce_the_host_embedding_backward_bitwise() {
+        let (n, d, offset, valid) = (200, 8, 10, 13);
+        let ids: Vec<u32> = (0..n as u32).map(|i| 5 + (i * 7919) % 23).collect();
+        let dx = crate::gpu::check::inputs(n * d, 3);
+        let table = crate::gpu::check::inputs(valid * d, 4);
+        let mut want = table.clone();
+        Backend::<f32>::embed_bwd(&crate::backend::Cpu::default(), &mut want, &dx, &ids.to_vec(), offset, valid, d);
+        let (uniq, starts, order) = group_ids(&ids);
+        let mut got = table.clone();
+        for (u, &id) in uniq.iter().enumerate() {
+            let local = id.wrapping_sub(offset as u32) as usize;
+            if local >= valid {
+                continue;
+            }
+            for j in 0..d {
+                let mut acc = got[local * d + j];
+                for t in starts[u]..starts[u + 1] {
+                    acc += dx[order[t as usize] as usize * d + j];
+                }
+                got[local * d + j] = acc;
+            }
+        }
+        assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+        assert!(uniq.windows(2).all(|w| w[0] < w[1]) && starts.len() == uniq.len() + 1);
     }
 }

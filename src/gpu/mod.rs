@@ -13,6 +13,7 @@
 //! without CUDA; where a library is missing, [`Gpu::open`] returns an error that names it
 //! instead of letting `cudarc` panic.
 
+pub mod attention;
 pub mod backend;
 pub mod check;
 
@@ -160,7 +161,7 @@ fn need(what: &str, ok: bool) -> Result<(), String> {
 
 /// The column-major cuBLAS call that computes the row-major `c [m, n] = op(a) · op(b) + beta·c`
 /// as `cᵀ = op(b)ᵀ · op(a)ᵀ` (its `A` is our `b`, its `B` our `a`).
-fn gemm_config(m: usize, n: usize, k: usize, (ta, tb): (bool, bool), beta: f32) -> GemmConfig<f32> {
+pub(crate) fn gemm_config(m: usize, n: usize, k: usize, (ta, tb): (bool, bool), beta: f32) -> GemmConfig<f32> {
     let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
     GemmConfig {
         transa: op(tb),
