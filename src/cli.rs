@@ -398,6 +398,11 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
             rt.finalize_and_exit(EXIT_BAD_INPUT);
         }
     };
+    if res.deck.run.device == crate::config::Device::Cuda && !cfg!(feature = "cuda") {
+        report_error(&"[run] device = \"cuda\", but this ndtrain was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`");
+        drop(world);
+        rt.finalize_and_exit(EXIT_BAD_INPUT);
+    }
     let out_dir = res.deck.run.out_dir();
     // The checks every rank can make before the first collective of training (output folders,
     // data, checkpoint, init_from): if any rank fails one, every rank stops here with code 2.

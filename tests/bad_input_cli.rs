@@ -63,6 +63,18 @@ fn bad_decks_fail_with_one_clear_line() {
     }
 }
 
+/// `[run] device = "cuda"` in a build without the `cuda` feature is bad input, found before
+/// any work (a build with it opens the GPU or names the missing CUDA library instead).
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_training_without_the_cuda_feature_is_a_clear_error() {
+    let mut cmd = Command::new(bin());
+    mpi_env(&mut cmd).arg("train").arg(tiny_deck()).args(["--set", "run.device=\"cuda\""]);
+    let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
+    assert_clean_failure("cuda without the feature", &o, timed_out, "built without the `cuda` feature");
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}
+
 #[test]
 fn bad_deck_fails_on_every_rank_under_mpirun() {
     let deck = tiny_deck();
@@ -381,6 +393,12 @@ fn bad_inputs() -> Vec<BadInput> {
             EveryRank,
         ),
         case("layout for another world", |_| sets_input(&["parallel.dp_shard=3"]), "but the job has 2 ranks", EveryRank),
+        case(
+            "GPU training on two ranks",
+            |_| sets_input(&["run.device=\"cuda\""]),
+            "trains on one rank (one GPU) so far, but the job has 2 ranks",
+            EveryRank,
+        ),
         // Files and folders named by the deck, checked before training by every rank.
         case(
             "resume from a missing checkpoint",
