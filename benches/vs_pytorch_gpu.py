@@ -30,15 +30,8 @@ except ImportError:  # Python < 3.11
     import tomli as tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def flops_per_token(m, seq):
-    """DESIGN.md: 6 N_matmul + 12 L D S (lm_head included, no causal halving)."""
-    d, l, f, v = m["d_model"], m["n_layers"], m["ffn_hidden"], m["vocab_size"]
-    hd = d // m["n_heads"]
-    q, kv = m["n_heads"] * hd, m["n_kv_heads"] * hd
-    n_matmul = l * (d * q + 2 * d * kv + q * d + 3 * d * f) + v * d
-    return 6 * n_matmul + 12 * l * d * seq
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vs_pytorch import flops_per_token  # noqa: E402  (DESIGN.md's FLOP count, one definition)
 
 
 def torch_worker(deck_path, steps, warmup):

@@ -56,9 +56,10 @@ pub fn train<B: Backend<f32>>(
     let mut grads: Params<B::Buf> = host.map(zeros);
     let mut exp_avg: Params<B::Buf> = host.map(zeros);
     let mut exp_avg_sq: Params<B::Buf> = host.map(zeros);
-    let decayed: Vec<bool> = param_specs(mcfg).iter().map(|p| p.decayed()).collect();
+    let specs = param_specs(mcfg);
+    let decayed: Vec<bool> = specs.iter().map(|p| p.decayed()).collect();
+    let n_params: usize = specs.iter().map(|p| p.numel()).sum();
     drop(host);
-    let n_params: usize = param_specs(mcfg).iter().map(|p| p.numel()).sum();
 
     let mut model = Model::<f32, B>::on(be, Dims::full(mcfg), tcfg.activation_checkpointing, false);
     let source = open_source(&deck.data, mcfg.vocab_size, deck.run.seed)?;

@@ -182,8 +182,8 @@ impl GpuBackend {
                         *scratch = self.alloc(x.len());
                     }
                 }
-                ok("to bf16", self.gpu().to_bf16_prefix(sa.get_mut(), a.get()));
-                ok("to bf16", self.gpu().to_bf16_prefix(sb.get_mut(), b.get()));
+                ok("to bf16", self.gpu().to_bf16(sa.get_mut(), a.get()));
+                ok("to bf16", self.gpu().to_bf16(sb.get_mut(), b.get()));
                 ok("bf16 gemm", self.gpu().gemm(c.get_mut(), Operand::Bf16(sa.get(), 0), Operand::Bf16(sb.get(), 0), mnk, trans, beta));
             }
         }

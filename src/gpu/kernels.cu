@@ -379,8 +379,3 @@ extern "C" __global__ void f32_to_bf16(unsigned short* dst, const float* src, lo
     u += 0x7fffu + ((u >> 16) & 1u);
     dst[i] = (unsigned short)(u >> 16);
 }
-
-extern "C" __global__ void bf16_to_f32(float* dst, const unsigned short* src, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) dst[i] = __uint_as_float((unsigned int)src[i] << 16);
-}

@@ -33,7 +33,7 @@ use std::sync::Arc;
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points of [`SOURCE`], loaded by name at start.
-pub const KERNELS: [&str; 26] = [
+pub const KERNELS: [&str; 25] = [
     "rmsnorm_fwd",
     "rmsnorm_bwd_dx",
     "rmsnorm_bwd_dw",
@@ -59,7 +59,6 @@ pub const KERNELS: [&str; 26] = [
     "sum_sq_partial",
     "adamw",
     "f32_to_bf16",
-    "bf16_to_f32",
 ];
 
 /// Threads per block of the elementwise kernels and of a row kernel (RMSNorm, cross entropy).
@@ -681,31 +680,14 @@ impl Gpu {
         Ok(host[..blocks].iter().sum())
     }
 
-    /// f32 → bf16 (round to nearest even), for the bf16 operands of mixed precision.
-    pub fn to_bf16(&self, dst: &mut CudaSlice<u16>, src: &CudaSlice<f32>) -> Result<(), String> {
-        need("to_bf16", src.len() >= dst.len())?;
-        let n = dst.len() as i64;
-        let mut l = self.launcher("f32_to_bf16");
-        l.arg(dst).arg(src).arg(&n);
-        Self::launch("f32_to_bf16", l, elementwise(n as usize))
-    }
-
     /// The first `src.len()` elements of `dst` become `src` in bf16 (`dst` may be longer: a
     /// scratch sized for the largest operand).
-    pub fn to_bf16_prefix(&self, dst: &mut CudaSlice<u16>, src: &CudaSlice<f32>) -> Result<(), String> {
-        need("to_bf16_prefix", dst.len() >= src.len())?;
+    pub fn to_bf16(&self, dst: &mut CudaSlice<u16>, src: &CudaSlice<f32>) -> Result<(), String> {
+        need("to_bf16", dst.len() >= src.len())?;
         let n = src.len() as i64;
         let mut l = self.launcher("f32_to_bf16");
         l.arg(dst).arg(src).arg(&n);
         Self::launch("f32_to_bf16", l, elementwise(n as usize))
-    }
-
-    pub fn from_bf16(&self, dst: &mut CudaSlice<f32>, src: &CudaSlice<u16>) -> Result<(), String> {
-        need("from_bf16", src.len() >= dst.len())?;
-        let n = dst.len() as i64;
-        let mut l = self.launcher("bf16_to_f32");
-        l.arg(dst).arg(src).arg(&n);
-        Self::launch("bf16_to_f32", l, elementwise(n as usize))
     }
 
     /// One NCCL communicator over the ranks of `group`: its rank 0 creates the unique id and
@@ -729,8 +711,6 @@ impl Gpu {
         self.stream.synchronize().map_err(err("synchronizing the stream"))
     }
 }
-
-pub use crate::backend::cpu::round_bf16;
 
 #[cfg(test)]
 mod tests {

@@ -601,11 +601,6 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         held * std::mem::size_of::<T>()
     }
 
-    /// Logits `[N, V_local]` of the last forward on the backend.
-    pub fn logits_buf(&self) -> &B::Buf {
-        &self.logits
-    }
-
     /// New positions: the RoPE tables and the positions on the backend (and, under context
     /// parallelism, the positions of every rank of the ring).
     fn set_positions(&mut self, positions: &[usize]) {
