@@ -233,16 +233,17 @@ pub fn gemm_threads() -> usize {
 /// Shapes: `a [m, k]`, `b [k, n]`, `c [m, n]`, each with its own strides, so transposed
 /// operands and heads inside a wider row cost no copy.
 pub fn matmul<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate: bool) {
-    matmul_with(c, a, b, accumulate, true)
+    matmul_on(c, a, b, accumulate, gemm_threads())
 }
 
 /// [`matmul`] on the calling thread only: for products inside an already-parallel loop
 /// (attention runs one task per head group), where a nested parallel GEMM only adds overhead.
 pub fn matmul_serial<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate: bool) {
-    matmul_with(c, a, b, accumulate, false)
+    matmul_on(c, a, b, accumulate, 1)
 }
 
-fn matmul_with<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate: bool, parallel: bool) {
+/// [`matmul`] on `threads` threads of the rank's pool.
+fn matmul_on<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate: bool, threads: usize) {
     let (m, n, k) = (c.rows, c.cols, a.cols);
     assert_eq!(a.rows, m, "matmul: a has {} rows, c has {}", a.rows, m);
     assert_eq!(b.rows, k, "matmul: a has {} cols, b has {} rows", k, b.rows);
@@ -264,39 +265,135 @@ fn matmul_with<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumula
         }
         return;
     }
-    let threads = gemm_threads();
-    let par =
-        if parallel && threads > 1 && m * n * k >= 64 * 64 * 64 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    let big = m * n * k >= 64 * 64 * 64;
+    if threads > 1 && big {
+        // Bands of C, one per thread: rows when C is at least as tall as wide, else columns.
+        // Each band is a whole serial GEMM over the full depth k, so every element sums in the
+        // same order as on one thread (the results do not depend on the thread count), and the
+        // threads meet once per product instead of once per cache block as in the `gemm`
+        // crate's own split (measured: `benches/results/gemm_pairs.md`).
+        let rows = m >= n;
+        let len = if rows { m } else { n };
+        let parts = threads.min(len / 32).max(1);
+        let (cp, ap, bp) = (SendPtr(c.data.as_mut_ptr()), SendPtr(a.data.as_ptr() as *mut T), SendPtr(b.data.as_ptr() as *mut T));
+        let (cst, ast, bst) = ((c.rs, c.cs), (a.rs, a.cs), (b.rs, b.cs));
+        rayon::scope(|scope| {
+            for p in 0..parts {
+                let (lo, hi) = (len * p / parts, len * (p + 1) / parts);
+                let (cp, ap, bp) = (cp, ap, bp);
+                let job = move |_: &rayon::Scope<'_>| {
+                    let (cp, ap, bp) = (cp, ap, bp);
+                    // SAFETY: the bands are disjoint element sets of `c` (rows lo..hi or columns
+                    // lo..hi), each inside the bounds asserted above; `a` and `b` are only read.
+                    unsafe {
+                        if rows {
+                            gemm_raw(hi - lo, n, k, cp.0.add(lo * cst.0), cst, accumulate, ap.0.add(lo * ast.0), ast, bp.0, bst);
+                        } else {
+                            gemm_raw(m, hi - lo, k, cp.0.add(lo * cst.1), cst, accumulate, ap.0, ast, bp.0.add(lo * bst.1), bst);
+                        }
+                    }
+                };
+                if p + 1 == parts {
+                    job(scope);
+                } else {
+                    scope.spawn(job);
+                }
+            }
+        });
+        return;
+    }
     // SAFETY: the asserts above bound every element the strides can reach inside the three
     // slices; `c` is borrowed mutably, so it cannot alias `a` or `b`.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c.data.as_mut_ptr(),
-            c.cs as isize,
-            c.rs as isize,
-            accumulate,
-            a.data.as_ptr(),
-            a.cs as isize,
-            a.rs as isize,
-            b.data.as_ptr(),
-            b.cs as isize,
-            b.rs as isize,
-            T::ONE,
-            T::ONE,
-            false,
-            false,
-            false,
-            par,
-        );
+        gemm_raw(m, n, k, c.data.as_mut_ptr(), (c.rs, c.cs), accumulate, a.data.as_ptr(), (a.rs, a.cs), b.data.as_ptr(), (b.rs, b.cs))
     }
+}
+
+/// A pointer that may cross to another thread of the pool (the caller keeps the accesses
+/// disjoint).
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// One serial `gemm` call on a sub-matrix: `m × n × k` from the given corners, with the
+/// `(row, column)` strides of the views they lie in.
+///
+/// # Safety
+/// The three corners and their extents must lie inside the views' slices, and the `c` block
+/// must not be written by anyone else meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_raw<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: *mut T,
+    (c_rs, c_cs): (usize, usize),
+    accumulate: bool,
+    a: *const T,
+    (a_rs, a_cs): (usize, usize),
+    b: *const T,
+    (b_rs, b_cs): (usize, usize),
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        c,
+        c_cs as isize,
+        c_rs as isize,
+        accumulate,
+        a,
+        a_cs as isize,
+        a_rs as isize,
+        b,
+        b_cs as isize,
+        b_rs as isize,
+        T::ONE,
+        T::ONE,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+}
+
+/// Runs two independent GEMM-bound jobs side by side, each on its share of the rank's GEMM
+/// threads (the argument each receives); one after the other on one thread.
+///
+/// Why: one GEMM split across two threads reaches 1.3–1.9× one thread on the model's shapes
+/// (worst on the 512 × 512 projections); two whole GEMMs, one per thread, 1.8–2.0×
+/// (`benches/results/gemm_pairs.md`). The results are the same bits either way.
+fn join_gemms(threads: usize, a: impl FnOnce(usize) + Send, b: impl FnOnce(usize) + Send) {
+    if threads < 2 {
+        a(1);
+        b(1);
+        return;
+    }
+    let ta = threads / 2;
+    rayon::join(|| a(ta), || b(threads - ta));
 }
 
 /// Linear layer forward: `y [m, n] (=|+=) x [m, k] · wᵀ` with `w [n, k]` (Hugging Face `[out, in]`).
 pub fn linear_fwd<T: Real>(y: &mut [T], x: &[T], w: &[T], m: usize, n: usize, k: usize, accumulate: bool) {
-    matmul(MatMut::rm(y, m, n), Mat::rm(x, m, k), Mat::rm(w, n, k).t(), accumulate);
+    linear_fwd_on(y, x, w, m, n, k, accumulate, gemm_threads());
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_fwd_on<T: Real>(y: &mut [T], x: &[T], w: &[T], m: usize, n: usize, k: usize, accumulate: bool, threads: usize) {
+    matmul_on(MatMut::rm(y, m, n), Mat::rm(x, m, k), Mat::rm(w, n, k).t(), accumulate, threads);
+}
+
+/// Two projections of the same input with weights of the same shape (gate and up, key and
+/// value): `y1 = x · w1ᵀ`, `y2 = x · w2ᵀ`, side by side (see [`join_gemms`]).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_fwd_pair<T: Real>(y1: &mut [T], w1: &[T], y2: &mut [T], w2: &[T], x: &[T], m: usize, n: usize, k: usize) {
+    linear_fwd_pair_on(y1, w1, y2, w2, x, m, n, k, gemm_threads());
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_fwd_pair_on<T: Real>(y1: &mut [T], w1: &[T], y2: &mut [T], w2: &[T], x: &[T], m: usize, n: usize, k: usize, threads: usize) {
+    join_gemms(threads, |t| linear_fwd_on(y1, x, w1, m, n, k, false, t), |t| linear_fwd_on(y2, x, w2, m, n, k, false, t));
 }
 
 /// Linear layer input gradient: `dx [m, k] (=|+=) dy [m, n] · w` with `w [n, k]`.
@@ -307,6 +404,33 @@ pub fn linear_bwd_input<T: Real>(dx: &mut [T], dy: &[T], w: &[T], m: usize, n: u
 /// Linear layer weight gradient: `dw [n, k] (=|+=) dyᵀ · x` with `dy [m, n]`, `x [m, k]`.
 pub fn linear_bwd_weight<T: Real>(dw: &mut [T], dy: &[T], x: &[T], m: usize, n: usize, k: usize, accumulate: bool) {
     matmul(MatMut::rm(dw, n, k), Mat::rm(dy, m, n).t(), Mat::rm(x, m, k), accumulate);
+}
+
+/// Both gradients of a linear layer, side by side (see [`join_gemms`]): `dx (=|+=) dy · w` per
+/// `acc_dx`, and `dw += dyᵀ · x`. The two products have the same FLOPs, so the halves balance.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_bwd<T: Real>(dx: &mut [T], acc_dx: bool, dw: &mut [T], dy: &[T], x: &[T], w: &[T], m: usize, n: usize, k: usize) {
+    linear_bwd_on(dx, acc_dx, dw, dy, x, w, m, n, k, gemm_threads());
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_bwd_on<T: Real>(
+    dx: &mut [T],
+    acc_dx: bool,
+    dw: &mut [T],
+    dy: &[T],
+    x: &[T],
+    w: &[T],
+    m: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
+    join_gemms(
+        threads,
+        |t| matmul_on(MatMut::rm(dw, n, k), Mat::rm(dy, m, n).t(), Mat::rm(x, m, k), true, t),
+        |t| matmul_on(MatMut::rm(dx, m, k), Mat::rm(dy, m, n), Mat::rm(w, n, k), acc_dx, t),
+    );
 }
 
 #[cfg(test)]
@@ -383,6 +507,58 @@ mod tests {
         linear_fwd(&mut y, &a, &bt, m, n, k, false);
         for i in 0..m * n {
             assert!((y[i] - want[i]).abs() < 1e-12);
+        }
+    }
+
+    /// The side-by-side products give the same bits as the plain ones, one after the other, on
+    /// one thread and with the threads split unevenly (3 = 1 + 2).
+    #[test]
+    fn joined_linear_products_match_the_plain_ones() {
+        let (m, n, k) = (96, 80, 72);
+        let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w1: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.91).cos()).collect();
+        let w2: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.53).sin()).collect();
+        let dy: Vec<f32> = (0..m * n).map(|i| (i as f32 * 0.29).cos()).collect();
+        let (mut y1, mut y2) = (vec![0.0; m * n], vec![0.0; m * n]);
+        linear_fwd(&mut y1, &x, &w1, m, n, k, false);
+        linear_fwd(&mut y2, &x, &w2, m, n, k, false);
+        let (mut dx, mut dw) = (vec![0.5; m * k], vec![0.25; n * k]);
+        linear_bwd_input(&mut dx, &dy, &w1, m, n, k, true);
+        linear_bwd_weight(&mut dw, &dy, &x, m, n, k, true);
+        for threads in [1, 3] {
+            let (mut p1, mut p2) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+            linear_fwd_pair_on(&mut p1, &w1, &mut p2, &w2, &x, m, n, k, threads);
+            assert!(p1 == y1 && p2 == y2, "forward pair on {threads} threads");
+            let (mut jx, mut jw) = (vec![0.5; m * k], vec![0.25; n * k]);
+            linear_bwd_on(&mut jx, true, &mut jw, &dy, &x, &w1, m, n, k, threads);
+            assert!(jx == dx && jw == dw, "backward pair on {threads} threads");
+            // Overwriting dx ignores what it held.
+            let mut ox = vec![f32::NAN; m * k];
+            linear_bwd_on(&mut ox, false, &mut jw, &dy, &x, &w1, m, n, k, threads);
+            assert!(ox.iter().zip(&dx).all(|(a, b)| (a - (b - 0.5)).abs() < 1e-4), "dx overwritten on {threads} threads");
+        }
+    }
+
+    /// A GEMM split into bands of rows (tall C) or columns (wide C, or C stored transposed)
+    /// gives the same bits as on one thread.
+    #[test]
+    fn banded_gemm_is_independent_of_the_thread_count() {
+        for (m, n, k) in [(130, 100, 70), (70, 190, 90)] {
+            let a: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| (i as f32 * 0.91).cos()).collect();
+            let run = |threads: usize, transposed_c: bool| {
+                let mut c = vec![0.25f32; m * n];
+                let view = if transposed_c { MatMut { data: &mut c, rows: m, cols: n, rs: 1, cs: m } } else { MatMut::rm(&mut c, m, n) };
+                matmul_on(view, Mat::rm(&a, m, k), Mat::rm(&b, k, n), true, threads);
+                c
+            };
+            for transposed_c in [false, true] {
+                let one = run(1, transposed_c);
+                assert!(one.iter().all(|x| x.is_finite()));
+                for threads in [2, 3, 5] {
+                    assert!(run(threads, transposed_c) == one, "[{m}×{k}]·[{k}×{n}] on {threads} threads (transposed c: {transposed_c})");
+                }
+            }
         }
     }
 }

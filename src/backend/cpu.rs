@@ -9,7 +9,7 @@
 use super::{AdamStep, Backend, Precision};
 use crate::model::attention::{attention_bwd, attention_fwd, merge_partial, AttnDims};
 use crate::model::kernels;
-use crate::real::{linear_bwd_input, linear_bwd_weight, linear_fwd, Real};
+use crate::real::{linear_bwd, linear_bwd_input, linear_bwd_weight, linear_fwd, linear_fwd_pair, Real};
 use rayon::prelude::*;
 
 /// The host. `Cpu::default()` is fp32.
@@ -102,6 +102,29 @@ impl<T: Real> Backend<T> for Cpu {
     fn linear_bwd_weight(&self, dw: &mut Vec<T>, dy: &Vec<T>, x: &Vec<T>, m: usize, n: usize, k: usize, acc: bool) {
         let (mut sd, mut sx) = (vec![], vec![]);
         linear_bwd_weight(dw, self.operand(dy, &mut sd), self.operand(x, &mut sx), m, n, k, acc);
+    }
+
+    fn linear_fwd_pair(&self, y1: &mut Vec<T>, w1: &Vec<T>, y2: &mut Vec<T>, w2: &Vec<T>, x: &Vec<T>, m: usize, n: usize, k: usize) {
+        let (mut sx, mut s1, mut s2) = (vec![], vec![], vec![]);
+        let (x, w1, w2) = (self.operand(x, &mut sx), self.operand(w1, &mut s1), self.operand(w2, &mut s2));
+        linear_fwd_pair(y1, w1, y2, w2, x, m, n, k);
+    }
+
+    fn linear_bwd(
+        &self,
+        dx: &mut Vec<T>,
+        acc_dx: bool,
+        dw: &mut Vec<T>,
+        dy: &Vec<T>,
+        x: &Vec<T>,
+        w: &Vec<T>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) {
+        let (mut sd, mut sx, mut sw) = (vec![], vec![], vec![]);
+        let (dy, x, w) = (self.operand(dy, &mut sd), self.operand(x, &mut sx), self.operand(w, &mut sw));
+        linear_bwd(dx, acc_dx, dw, dy, x, w, m, n, k);
     }
 
     fn rmsnorm_fwd(&self, y: &mut Vec<T>, rstd: &mut Vec<T>, x: &Vec<T>, w: &Vec<T>, d: usize, eps: f64) {

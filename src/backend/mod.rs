@@ -85,6 +85,41 @@ pub trait Backend<T: Real> {
     fn linear_bwd_input(&self, dx: &mut Self::Buf, dy: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, acc: bool);
     /// `dw [n, k] (=|+=) dyᵀ · x`, `dy [m, n]`, `x [m, k]`.
     fn linear_bwd_weight(&self, dw: &mut Self::Buf, dy: &Self::Buf, x: &Self::Buf, m: usize, n: usize, k: usize, acc: bool);
+    /// Two projections of one input with weights of one shape: `y1 = x · w1ᵀ`, `y2 = x · w2ᵀ`.
+    /// Independent products, so a backend may run them concurrently.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_fwd_pair(
+        &self,
+        y1: &mut Self::Buf,
+        w1: &Self::Buf,
+        y2: &mut Self::Buf,
+        w2: &Self::Buf,
+        x: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) {
+        self.linear_fwd(y1, x, w1, m, n, k, false);
+        self.linear_fwd(y2, x, w2, m, n, k, false);
+    }
+    /// Both gradients of a linear layer: `dx (=|+=) dy · w` per `acc_dx` and `dw += dyᵀ · x`.
+    /// Independent products, so a backend may run them concurrently.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_bwd(
+        &self,
+        dx: &mut Self::Buf,
+        acc_dx: bool,
+        dw: &mut Self::Buf,
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        w: &Self::Buf,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) {
+        self.linear_bwd_weight(dw, dy, x, m, n, k, true);
+        self.linear_bwd_input(dx, dy, w, m, n, k, acc_dx);
+    }
 
     // ---- elementwise and row kernels (`model::kernels`) ----------------------------------
     /// `y = x / sqrt(mean(x²) + eps) · w` per row of `d`; `rstd =` the row's `1/sqrt(…)`.

@@ -323,7 +323,7 @@ struct BlockGrads<V> {
     dgate: V,    // [N, F]
     dup: V,      // [N, F]
     d_tok: V,    // [N, H*hd] token-major gradient (att_tok, then q)
-    dkv_tok: V,  // [N, KV*hd]
+    dkv_tok: V,  // [N, KV*hd] (forward: the value projection)
     datt: V,     // [B, H, S, hd]
     dq: V,       // [B, H, S, hd]
     dk: V,       // [B, KV, S, hd]
@@ -746,11 +746,10 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
                 None => &mut *dg.embed_tokens,
             };
             let xf = if self.sp { &self.xf_full } else { &self.xf };
-            be.linear_bwd_weight(dw_out, &self.logits, xf, n, v, d, true);
             // dxf [N_local, D]: the partial sums of every vocab shard, reduced across tp
             // (conjugate of the replicated / gathered xf feeding every shard).
             let dxf = &mut self.grads.dxn;
-            be.linear_bwd_input(seq.partial(dxf, &mut self.grads.full_b), &self.logits, g.output, n, v, d, false);
+            be.linear_bwd(seq.partial(dxf, &mut self.grads.full_b), false, dw_out, &self.logits, xf, g.output, n, v, d);
             seq.finish(dxf, &self.grads.full_b);
             be.rmsnorm_bwd(&mut self.dx, dg.norm, dxf, &self.x_final, g.norm, &self.rstd_f, d, false);
         }
@@ -838,10 +837,10 @@ fn block_fwd<T: Real, B: Backend<T>>(
     let xn1 = seq.gather(&a.xn1, &mut g.full_a); // [N, D]; backward: reduce of dxn1
     be.linear_fwd(&mut g.q_tok, xn1, &w.q_proj, n, nh * hd, d, false);
     be.tokens_to_heads(&mut a.q, &g.q_tok, b, s, nh, hd, rope);
-    be.linear_fwd(&mut g.kv_tok, xn1, &w.k_proj, n, nkv * hd, d, false);
+    // The value projection lands in `dkv_tok`, free until backward.
+    be.linear_fwd_pair(&mut g.kv_tok, &w.k_proj, &mut g.dkv_tok, &w.v_proj, xn1, n, nkv * hd, d);
     be.tokens_to_heads(&mut a.k, &g.kv_tok, b, s, nkv, hd, rope);
-    be.linear_fwd(&mut g.kv_tok, xn1, &w.v_proj, n, nkv * hd, d, false);
-    be.tokens_to_heads(&mut a.v, &g.kv_tok, b, s, nkv, hd, None);
+    be.tokens_to_heads(&mut a.v, &g.dkv_tok, b, s, nkv, hd, None);
     attention_forward(ctx, a, g);
     be.heads_to_tokens(&mut a.att_tok, &a.att, b, s, nh, hd, None);
     // Row-parallel o_proj: partial sums reduced into this rank's rows; backward: gather.
@@ -851,8 +850,7 @@ fn block_fwd<T: Real, B: Backend<T>>(
 
     be.rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, m.norm_eps);
     let xn2 = seq.gather(&a.xn2, &mut g.full_a); // [N, D]; backward: reduce of dxn2
-    be.linear_fwd(&mut a.gate, xn2, &w.gate_proj, n, f, d, false);
-    be.linear_fwd(&mut a.up, xn2, &w.up_proj, n, f, d, false);
+    be.linear_fwd_pair(&mut a.gate, &w.gate_proj, &mut a.up, &w.up_proj, xn2, n, f, d);
     be.swiglu_fwd(&mut a.h, &a.gate, &a.up);
     let Some(out) = out else { return };
     // Row-parallel down_proj: partial sums reduced into this rank's rows; backward: gather.
@@ -889,16 +887,13 @@ fn block_bwd<T: Real, B: Backend<T>>(
 
     // MLP: out = x1 + down(h). The output gradient, gathered to all N rows.
     let dout = seq.gather(dx, &mut g.full_a);
-    be.linear_bwd_weight(&mut dw.down_proj, dout, &a.h, n, d, f, true);
-    be.linear_bwd_input(&mut g.dh, dout, &w.down_proj, n, d, f, false);
+    be.linear_bwd(&mut g.dh, false, &mut dw.down_proj, dout, &a.h, &w.down_proj, n, d, f);
     be.swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
     let xn2 = seq.gather(&a.xn2, &mut g.full_a); // gathered again rather than kept
-    be.linear_bwd_weight(&mut dw.gate_proj, &g.dgate, xn2, n, f, d, true);
-    be.linear_bwd_weight(&mut dw.up_proj, &g.dup, xn2, n, f, d, true);
-    // dxn2: partial sums of the column-parallel gate/up, reduced into this rank's rows.
+                                                 // dxn2: partial sums of the column-parallel gate/up, reduced into this rank's rows.
     let partial = seq.partial(&mut g.dxn, &mut g.full_b);
-    be.linear_bwd_input(partial, &g.dgate, &w.gate_proj, n, f, d, false);
-    be.linear_bwd_input(partial, &g.dup, &w.up_proj, n, f, d, true);
+    be.linear_bwd(partial, false, &mut dw.gate_proj, &g.dgate, xn2, &w.gate_proj, n, f, d);
+    be.linear_bwd(partial, true, &mut dw.up_proj, &g.dup, xn2, &w.up_proj, n, f, d);
     seq.finish(&mut g.dxn, &g.full_b);
     // dx1 = dout (residual) + norm2 backward.
     be.copy(&mut g.dx1, dx);
@@ -906,8 +901,7 @@ fn block_bwd<T: Real, B: Backend<T>>(
 
     // Attention: x1 = x + o(att_tok).
     let dx1 = seq.gather(&g.dx1, &mut g.full_a);
-    be.linear_bwd_weight(&mut dw.o_proj, dx1, &a.att_tok, n, d, nh * hd, true);
-    be.linear_bwd_input(&mut g.d_tok, dx1, &w.o_proj, n, d, nh * hd, false);
+    be.linear_bwd(&mut g.d_tok, false, &mut dw.o_proj, dx1, &a.att_tok, &w.o_proj, n, d, nh * hd);
     be.tokens_to_heads(&mut g.datt, &g.d_tok, b, s, nh, hd, None);
     attention_backward(ctx, a, g);
     // Projections: q, k, v = xn1 · W{q,k,v}ᵀ (RoPE on q and k undone by its transpose); dxn1
@@ -915,14 +909,11 @@ fn block_bwd<T: Real, B: Backend<T>>(
     let xn1 = seq.gather(&a.xn1, &mut g.full_a);
     let partial = seq.partial(&mut g.dxn, &mut g.full_b);
     be.heads_to_tokens(&mut g.d_tok, &g.dq, b, s, nh, hd, rope);
-    be.linear_bwd_weight(&mut dw.q_proj, &g.d_tok, xn1, n, nh * hd, d, true);
-    be.linear_bwd_input(partial, &g.d_tok, &w.q_proj, n, nh * hd, d, false);
+    be.linear_bwd(partial, false, &mut dw.q_proj, &g.d_tok, xn1, &w.q_proj, n, nh * hd, d);
     be.heads_to_tokens(&mut g.dkv_tok, &g.dk, b, s, nkv, hd, rope);
-    be.linear_bwd_weight(&mut dw.k_proj, &g.dkv_tok, xn1, n, nkv * hd, d, true);
-    be.linear_bwd_input(partial, &g.dkv_tok, &w.k_proj, n, nkv * hd, d, true);
+    be.linear_bwd(partial, true, &mut dw.k_proj, &g.dkv_tok, xn1, &w.k_proj, n, nkv * hd, d);
     be.heads_to_tokens(&mut g.dkv_tok, &g.dv, b, s, nkv, hd, None);
-    be.linear_bwd_weight(&mut dw.v_proj, &g.dkv_tok, xn1, n, nkv * hd, d, true);
-    be.linear_bwd_input(partial, &g.dkv_tok, &w.v_proj, n, nkv * hd, d, true);
+    be.linear_bwd(partial, true, &mut dw.v_proj, &g.dkv_tok, xn1, &w.v_proj, n, nkv * hd, d);
     seq.finish(&mut g.dxn, &g.full_b);
     // dx = dx1 (residual) + norm1 backward.
     be.copy(dx, &g.dx1);
