@@ -277,26 +277,17 @@ fn matmul_on<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate
         let parts = threads.min(len / 32).max(1);
         let (cp, ap, bp) = (SendPtr(c.data.as_mut_ptr()), SendPtr(a.data.as_ptr() as *mut T), SendPtr(b.data.as_ptr() as *mut T));
         let (cst, ast, bst) = ((c.rs, c.cs), (a.rs, a.cs), (b.rs, b.cs));
-        rayon::scope(|scope| {
-            for p in 0..parts {
-                let (lo, hi) = (len * p / parts, len * (p + 1) / parts);
-                let (cp, ap, bp) = (cp, ap, bp);
-                let job = move |_: &rayon::Scope<'_>| {
-                    let (cp, ap, bp) = (cp, ap, bp);
-                    // SAFETY: the bands are disjoint element sets of `c` (rows lo..hi or columns
-                    // lo..hi), each inside the bounds asserted above; `a` and `b` are only read.
-                    unsafe {
-                        if rows {
-                            gemm_raw(hi - lo, n, k, cp.0.add(lo * cst.0), cst, accumulate, ap.0.add(lo * ast.0), ast, bp.0, bst);
-                        } else {
-                            gemm_raw(m, hi - lo, k, cp.0.add(lo * cst.1), cst, accumulate, ap.0, ast, bp.0.add(lo * bst.1), bst);
-                        }
-                    }
-                };
-                if p + 1 == parts {
-                    job(scope);
+        use rayon::prelude::*;
+        (0..parts).into_par_iter().for_each(|p| {
+            let (lo, hi) = (len * p / parts, len * (p + 1) / parts);
+            let (c0, a0, b0) = (cp.get(), ap.get(), bp.get());
+            // SAFETY: the bands are disjoint element sets of `c` (rows lo..hi or columns
+            // lo..hi), each inside the bounds asserted above; `a` and `b` are only read.
+            unsafe {
+                if rows {
+                    gemm_raw(hi - lo, n, k, c0.add(lo * cst.0), cst, accumulate, a0.add(lo * ast.0), ast, b0, bst);
                 } else {
-                    scope.spawn(job);
+                    gemm_raw(m, hi - lo, k, c0.add(lo * cst.1), cst, accumulate, a0, ast, b0.add(lo * bst.1), bst);
                 }
             }
         });
@@ -315,6 +306,13 @@ fn matmul_on<T: Real>(c: MatMut<'_, T>, a: Mat<'_, T>, b: Mat<'_, T>, accumulate
 struct SendPtr<T>(*mut T);
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
+
+impl<T> SendPtr<T> {
+    /// Through a method, so a closure captures the whole (sendable) wrapper, not its field.
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
 
 /// One serial `gemm` call on a sub-matrix: `m × n × k` from the given corners, with the
 /// `(row, column)` strides of the views they lie in.
@@ -398,12 +396,22 @@ fn linear_fwd_pair_on<T: Real>(y1: &mut [T], w1: &[T], y2: &mut [T], w2: &[T], x
 
 /// Linear layer input gradient: `dx [m, k] (=|+=) dy [m, n] · w` with `w [n, k]`.
 pub fn linear_bwd_input<T: Real>(dx: &mut [T], dy: &[T], w: &[T], m: usize, n: usize, k: usize, accumulate: bool) {
-    matmul(MatMut::rm(dx, m, k), Mat::rm(dy, m, n), Mat::rm(w, n, k), accumulate);
+    linear_bwd_input_on(dx, dy, w, m, n, k, accumulate, gemm_threads());
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_bwd_input_on<T: Real>(dx: &mut [T], dy: &[T], w: &[T], m: usize, n: usize, k: usize, accumulate: bool, threads: usize) {
+    matmul_on(MatMut::rm(dx, m, k), Mat::rm(dy, m, n), Mat::rm(w, n, k), accumulate, threads);
 }
 
 /// Linear layer weight gradient: `dw [n, k] (=|+=) dyᵀ · x` with `dy [m, n]`, `x [m, k]`.
 pub fn linear_bwd_weight<T: Real>(dw: &mut [T], dy: &[T], x: &[T], m: usize, n: usize, k: usize, accumulate: bool) {
-    matmul(MatMut::rm(dw, n, k), Mat::rm(dy, m, n).t(), Mat::rm(x, m, k), accumulate);
+    linear_bwd_weight_on(dw, dy, x, m, n, k, accumulate, gemm_threads());
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_bwd_weight_on<T: Real>(dw: &mut [T], dy: &[T], x: &[T], m: usize, n: usize, k: usize, accumulate: bool, threads: usize) {
+    matmul_on(MatMut::rm(dw, n, k), Mat::rm(dy, m, n).t(), Mat::rm(x, m, k), accumulate, threads);
 }
 
 /// Both gradients of a linear layer, side by side (see [`join_gemms`]): `dx (=|+=) dy · w` per
@@ -426,11 +434,7 @@ fn linear_bwd_on<T: Real>(
     k: usize,
     threads: usize,
 ) {
-    join_gemms(
-        threads,
-        |t| matmul_on(MatMut::rm(dw, n, k), Mat::rm(dy, m, n).t(), Mat::rm(x, m, k), true, t),
-        |t| matmul_on(MatMut::rm(dx, m, k), Mat::rm(dy, m, n), Mat::rm(w, n, k), acc_dx, t),
-    );
+    join_gemms(threads, |t| linear_bwd_weight_on(dw, dy, x, m, n, k, true, t), |t| linear_bwd_input_on(dx, dy, w, m, n, k, acc_dx, t));
 }
 
 #[cfg(test)]

@@ -889,8 +889,9 @@ fn block_bwd<T: Real, B: Backend<T>>(
     let dout = seq.gather(dx, &mut g.full_a);
     be.linear_bwd(&mut g.dh, false, &mut dw.down_proj, dout, &a.h, &w.down_proj, n, d, f);
     be.swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
-    let xn2 = seq.gather(&a.xn2, &mut g.full_a); // gathered again rather than kept
-                                                 // dxn2: partial sums of the column-parallel gate/up, reduced into this rank's rows.
+    // xn2 is gathered again rather than kept. dxn2: partial sums of the column-parallel
+    // gate/up, reduced into this rank's rows.
+    let xn2 = seq.gather(&a.xn2, &mut g.full_a);
     let partial = seq.partial(&mut g.dxn, &mut g.full_b);
     be.linear_bwd(partial, false, &mut dw.gate_proj, &g.dgate, xn2, &w.gate_proj, n, f, d);
     be.linear_bwd(partial, true, &mut dw.up_proj, &g.dup, xn2, &w.up_proj, n, f, d);
