@@ -515,7 +515,14 @@ fn run_gpu_loop(
     } else {
         (be.gemm_probe()?, format!("measured {:?} GEMM probe on the GPU", res.deck.train.precision))
     };
-    crate::train_device::train(be, crate::model::Par { tp: &Alone, cp: &Alone }, res, &mesh.world, out_dir, (peak.0, &peak.1))
+    crate::train_device::train(
+        be,
+        crate::model::Par { tp: &Alone, cp: &Alone, progress: crate::model::no_progress },
+        res,
+        &mesh.world,
+        out_dir,
+        (peak.0, &peak.1),
+    )
 }
 
 #[cfg(not(feature = "cuda"))]

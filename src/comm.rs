@@ -13,7 +13,28 @@ use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
+
+/// Non-blocking operations of this process not yet known to be complete.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+/// Lets MPI move every non-blocking operation in flight, without blocking. MPI progresses them
+/// only inside MPI calls (Open MPI's shared-memory transfers and its non-blocking collectives'
+/// rounds, MPICH alike), so compute calls this between its large pieces of work. A probe
+/// enters the progress engine and matches nothing; with nothing in flight it returns at once
+/// without calling MPI.
+pub fn progress() {
+    if IN_FLIGHT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut flag = 0;
+    // SAFETY: MPI is initialised while anything is in flight (every Pending completes before
+    // finalisation); the probe only reads the message queue.
+    unsafe {
+        ffi::MPI_Iprobe(ffi::RSMPI_ANY_SOURCE, ffi::RSMPI_ANY_TAG, ffi::RSMPI_COMM_WORLD, &mut flag, ffi::RSMPI_STATUS_IGNORE);
+    }
+}
 
 /// MPI for the life of the program; finalises on drop.
 pub struct Runtime {
@@ -86,13 +107,21 @@ impl Pending {
     fn new(kind: &'static str, bytes: usize, send: Vec<f32>, recv: Vec<f32>) -> Pending {
         // SAFETY: reading the MPI_REQUEST_NULL handle constant.
         let request = unsafe { ffi::RSMPI_REQUEST_NULL };
+        IN_FLIGHT.fetch_add(1, Ordering::Relaxed);
         Pending { request, request2: request, send, recv, done: false, kind, bytes }
     }
 
     fn completed(kind: &'static str, bytes: usize, send: Vec<f32>, recv: Vec<f32>) -> Pending {
         let mut p = Pending::new(kind, bytes, send, recv);
-        p.done = true;
+        p.mark_done();
         p
+    }
+
+    fn mark_done(&mut self) {
+        if !self.done {
+            self.done = true;
+            IN_FLIGHT.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     fn finish(&mut self) {
@@ -103,7 +132,7 @@ impl Pending {
                 ffi::MPI_Wait(&mut self.request, ffi::RSMPI_STATUS_IGNORE);
                 ffi::MPI_Wait(&mut self.request2, ffi::RSMPI_STATUS_IGNORE);
             }
-            self.done = true;
+            self.mark_done();
         }
     }
 }
@@ -310,13 +339,41 @@ impl Group {
         p
     }
 
+    /// Starts a non-blocking reduce-scatter: `send` (`[size][recv.len()]`) summed across the
+    /// group, block `rank` into `recv`. Buffers as in [`Group::start_all_gather_f32`].
+    /// Counted bytes: the input.
+    pub fn start_reduce_scatter_sum_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Pending {
+        assert_eq!(send.len(), recv.len() * self.size, "reduce_scatter: send must hold size × recv");
+        let bytes = std::mem::size_of_val(&send[..]);
+        if self.size == 1 {
+            recv.copy_from_slice(&send);
+            return Pending::completed("reduce_scatter", bytes, send, recv);
+        }
+        let mut p = Pending::new("reduce_scatter", bytes, send, recv);
+        // SAFETY: as in `start_all_gather_f32`.
+        unsafe {
+            ffi::MPI_Ireduce_scatter_block(
+                p.send.as_ptr() as *const c_void,
+                p.recv.as_mut_ptr() as *mut c_void,
+                p.recv.len() as i32,
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                self.comm.as_raw(),
+                &mut p.request,
+            );
+        }
+        p
+    }
+
     /// Lets MPI progress `p` without blocking; true once it has completed.
     pub fn test(&self, p: &mut Pending) -> bool {
         if !p.done {
             let mut flag = 0;
             // SAFETY: `p.request` is a live request of this process.
             unsafe { ffi::MPI_Test(&mut p.request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
-            p.done = flag != 0;
+            if flag != 0 {
+                p.mark_done();
+            }
         }
         p.done
     }
@@ -373,7 +430,7 @@ impl Group {
             }
         } else {
             p.recv.copy_from_slice(&p.send);
-            p.done = true;
+            p.mark_done();
         }
         let old = self.ring.borrow_mut().insert(slot, p);
         assert!(old.is_none(), "ring slot {slot} already in flight");

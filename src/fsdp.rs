@@ -465,6 +465,12 @@ pub struct FsdpGrads<'g> {
     /// True in the step's last micro-step: each unit's outer all-reduce starts as soon as its
     /// reduce-scatter is done, while backward continues on earlier blocks.
     last_micro: bool,
+    /// Leave each reduction in flight while backward goes on (reduce-scatter over `fsdp`,
+    /// then in the last micro-step the all-reduce over `dp_rep`); `false` blocks on each.
+    pub overlap: bool,
+    /// The reduce-scatter in flight (one at a time: it owns `pack_buf` and `recv_buf`).
+    /// With its unit, and whether it is of the step's last micro-step.
+    reduce_scatter: Option<(usize, bool, Pending)>,
     /// Per unit: the `dp_rep` all-reduce in flight, and the spare buffer it will return.
     inflight: Vec<Option<Pending>>,
     spare: Vec<Vec<f32>>,
@@ -484,6 +490,8 @@ impl<'g> FsdpGrads<'g> {
             pack_buf: Vec::with_capacity(if plan.degree > 1 { plan.max_gathered_len() } else { 0 }),
             recv_buf: Vec::with_capacity(if plan.degree > 1 { plan.max_shard_len() } else { 0 }),
             last_micro: false,
+            overlap: true,
+            reduce_scatter: None,
             inflight: (0..=m.layers).map(|_| None).collect(),
             spare: (0..=m.layers).map(|_| vec![]).collect(),
             plan,
@@ -500,6 +508,7 @@ impl<'g> FsdpGrads<'g> {
         if self.dp_rep.size() == 1 {
             return;
         }
+        assert!(self.inflight[unit].is_none(), "unit {unit}: outer all-reduce started twice in one step");
         let send = std::mem::take(&mut self.shards[unit]);
         let mut recv = std::mem::take(&mut self.spare[unit]);
         recv.resize(send.len(), 0.0);
@@ -517,9 +526,12 @@ impl<'g> FsdpGrads<'g> {
         self.shards.iter_mut().for_each(|s| s.iter_mut().for_each(|x| *x = 0.0));
     }
 
-    /// Reduce-scatters a unit's whole gradient over `fsdp` and adds this rank's block into
-    /// its shard. Conjugate of the forward all-gather.
+    /// Reduce-scatters a unit's whole gradient over `fsdp` into its shard (`+=`): conjugate
+    /// of the forward all-gather. With `overlap` the reduce-scatter is left in flight while
+    /// backward computes the next block, and completed by the next call (or by
+    /// [`Self::finish_step`]); without, it completes here.
     fn reduce_unit(&mut self, unit: usize, full: &[&[f32]]) {
+        self.finish_reduce_scatter();
         let len = self.plan.units[unit].shard_len;
         if self.plan.degree == 1 {
             // The whole gradient is this rank's shard: add it in place, no copies.
@@ -528,16 +540,46 @@ impl<'g> FsdpGrads<'g> {
                     *a += b;
                 }
             }
+            self.reduced(unit, self.last_micro);
             return;
         }
-        self.pack_buf.resize(len * self.plan.degree, 0.0);
+        let mut send = std::mem::take(&mut self.pack_buf);
+        send.resize(len * self.plan.degree, 0.0);
         for r in 0..self.plan.degree {
-            self.plan.pack(unit, full, r, &mut self.pack_buf[r * len..][..len]);
+            self.plan.pack(unit, full, r, &mut send[r * len..][..len]);
         }
-        self.recv_buf.resize(len, 0.0);
-        self.fsdp.reduce_scatter_sum_f32(&self.pack_buf, &mut self.recv_buf);
+        let mut recv = std::mem::take(&mut self.recv_buf);
+        recv.resize(len, 0.0);
+        if self.overlap {
+            self.reduce_scatter = Some((unit, self.last_micro, self.fsdp.start_reduce_scatter_sum_f32(send, recv)));
+        } else {
+            self.fsdp.reduce_scatter_sum_f32(&send, &mut recv);
+            (self.pack_buf, self.recv_buf) = (send, recv);
+            self.add_reduced(unit, self.last_micro);
+        }
+    }
+
+    /// Completes the reduce-scatter in flight, if any, and adds its block into the shard.
+    fn finish_reduce_scatter(&mut self) {
+        if let Some((unit, last, p)) = self.reduce_scatter.take() {
+            (self.pack_buf, self.recv_buf) = self.fsdp.wait(p);
+            self.add_reduced(unit, last);
+        }
+    }
+
+    fn add_reduced(&mut self, unit: usize, last: bool) {
         for (a, &b) in self.shards[unit].iter_mut().zip(&self.recv_buf) {
             *a += b;
+        }
+        self.reduced(unit, last);
+    }
+
+    /// Unit `unit`'s shard holds the whole contribution of a micro-step: of the step's last
+    /// (`last`, which a reduce-scatter completing later remembers), it is final, and its outer
+    /// all-reduce can start.
+    fn reduced(&mut self, unit: usize, last: bool) {
+        if last && self.overlap {
+            self.start_outer_reduce(unit);
         }
     }
 
@@ -545,6 +587,7 @@ impl<'g> FsdpGrads<'g> {
     /// (HSDP's outer reduction, or DP's all-reduce when `fsdp` has degree 1), started bucket
     /// by bucket during that micro-step's backward.
     pub fn finish_step(&mut self) {
+        self.finish_reduce_scatter();
         for unit in 0..self.shards.len() {
             if self.inflight[unit].is_none() && self.dp_rep.size() > 1 {
                 self.start_outer_reduce(unit);
@@ -565,7 +608,7 @@ impl<'g> FsdpGrads<'g> {
         let g: usize = [&self.globals.embed_tokens, &self.globals.norm].iter().map(|t| t.len()).sum::<usize>()
             + self.globals.lm_head.as_ref().map_or(0, |h| h.len());
         let b: usize = self.block.tensors().iter().map(|t| t.len()).sum();
-        let reduce = self.pack_buf.capacity() + self.recv_buf.capacity();
+        let reduce = if self.plan.degree > 1 { self.plan.max_gathered_len() + self.plan.max_shard_len() } else { 0 };
         let outer = if self.dp_rep.size() > 1 { self.plan.shard_elements() } else { 0 };
         (g + b + reduce + outer) * 4
     }
@@ -630,9 +673,6 @@ impl GradSink<Vec<f32>> for FsdpGrads<'_> {
         }
         self.block = block;
         self.current = None;
-        if self.last_micro {
-            self.start_outer_reduce(l + 1);
-        }
         self.progress();
     }
 
@@ -647,9 +687,6 @@ impl GradSink<Vec<f32>> for FsdpGrads<'_> {
         }
         globals_tensors_mut(&mut g).into_iter().for_each(|t| t.iter_mut().for_each(|x| *x = 0.0));
         self.globals = g;
-        if self.last_micro {
-            self.start_outer_reduce(0);
-        }
     }
 }
 

@@ -167,12 +167,13 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
         log_load(mesh, &mut ckpt_log, 0, dir, bytes, load_start, rss_before_load, shard_bytes)?;
     }
     let mut grads = FsdpGrads::new(&dims, &mesh.fsdp, &mesh.dp_rep);
+    grads.overlap = deck.parallel.overlap;
     let n_params = crate::model::params::param_specs(mcfg).iter().map(|s| s.numel()).sum::<usize>();
     let cp = mesh.cp.size();
     let backend = crate::backend::Cpu { precision: tcfg.precision };
     let mut model =
         Model::<f32>::on(backend, dims.clone(), tcfg.activation_checkpointing, deck.parallel.sequence_parallel).with_context_parallel(cp);
-    let par = Par { tp: &mesh.tp, cp: &mesh.cp };
+    let par = Par { tp: &mesh.tp, cp: &mesh.cp, progress: crate::comm::progress };
     let s_local = s / cp;
 
     // Data.
@@ -281,7 +282,7 @@ pub fn train(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, 
             let (targets, _) = crate::cp::local_tokens(&batch.targets, s, cp, mesh.cp.rank());
             let tok = Tokens { inputs: &inputs, targets: &targets, positions: &positions, batch: mb, seq: s_local };
             params.begin_micro_step();
-            grads.begin_micro_step(deck.parallel.overlap && micro + 1 == ga);
+            grads.begin_micro_step(micro + 1 == ga);
             loss_sum += model.forward_with(&mut params, &tok, par);
             let t2 = Instant::now();
             params.begin_backward();

@@ -376,7 +376,7 @@ impl Pair {
         let dev = host.map(|t| self.up(t));
         let mut dev_grads = host.map(|t| self.gpu.zeros(t.len()));
         let mut gpu_model = Model::<f32, GpuBackend>::on(self.gpu.clone(), Dims::full(&cfg), ckpt, false);
-        let par = Par { tp: &Alone, cp: &Alone };
+        let par = Par { tp: &Alone, cp: &Alone, progress: crate::model::no_progress };
         let loss_d = gpu_model.forward_with(&mut &dev, &tok, par);
         gpu_model.backward_with(&mut &dev, &mut dev_grads, scale, par);
 

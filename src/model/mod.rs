@@ -139,7 +139,14 @@ const RING_DV: usize = 4;
 pub struct Par<'a, V> {
     pub tp: &'a dyn TpComm<V>,
     pub cp: &'a dyn RingComm<V>,
+    /// Called between the large pieces of a block's compute, so communication started outside
+    /// the model (the next block's all-gather, the last block's gradient reduction) moves while
+    /// it computes: MPI progresses non-blocking operations only inside its calls.
+    pub progress: fn(),
 }
+
+/// Nothing in flight to progress.
+pub fn no_progress() {}
 
 impl<V> Clone for Par<'_, V> {
     fn clone(&self) -> Self {
@@ -152,7 +159,7 @@ impl<V> Copy for Par<'_, V> {}
 impl<T: Copy> Par<'static, Vec<T>> {
     /// One rank: every collective is the identity.
     pub fn single() -> Self {
-        Par { tp: &NoTp, cp: &NoCp }
+        Par { tp: &NoTp, cp: &NoCp, progress: no_progress }
     }
 }
 
@@ -652,6 +659,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             s,
             seq,
             cp: par.cp,
+            progress: par.progress,
         };
 
         // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp
@@ -698,6 +706,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         be.rmsnorm_fwd(&mut self.xf, &mut self.rstd_f, &self.x_final, g.norm, d, self.m.norm_eps);
         let xf = seq.gather(&self.xf, &mut self.xf_full);
         be.linear_fwd(&mut self.logits, xf, g.output, b * s, v, d, false);
+        (par.progress)();
         be.ce_row_max(&mut self.ce_max, &self.logits, v, valid);
         tp.all_reduce_max(&mut self.ce_max);
         be.ce_row_sum_exp(&mut self.lse_ce, &self.logits, &self.ce_max, v, valid);
@@ -735,6 +744,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             s,
             seq,
             cp: par.cp,
+            progress: par.progress,
         };
 
         // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V_local].
@@ -750,6 +760,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             // (conjugate of the replicated / gathered xf feeding every shard).
             let dxf = &mut self.grads.dxn;
             be.linear_bwd(seq.partial(dxf, &mut self.grads.full_b), false, dw_out, &self.logits, xf, g.output, n, v, d);
+            (par.progress)();
             seq.finish(dxf, &self.grads.full_b);
             be.rmsnorm_bwd(&mut self.dx, dg.norm, dxf, &self.x_final, g.norm, &self.rstd_f, d, false);
         }
@@ -807,6 +818,7 @@ struct BlockCtx<'a, T: Real, B: Backend<T>> {
     ring_pos: &'a [B::Pos],
     b: usize,
     s: usize,
+    progress: fn(),
 }
 
 impl<T: Real, B: Backend<T>> BlockCtx<'_, T, B> {
@@ -832,25 +844,32 @@ fn block_fwd<T: Real, B: Backend<T>>(
     let (d, f, hd) = (m.d, m.ffn, m.hd);
     let (nh, nkv) = (m.heads, m.kv_heads);
     let rope = Some((ctx.cos, ctx.sin));
+    // Between the block's large pieces of work, communication in flight moves.
+    let poke = ctx.progress;
 
     be.rmsnorm_fwd(&mut a.xn1, &mut a.rstd1, &a.x, &w.input_layernorm, d, m.norm_eps);
     let xn1 = seq.gather(&a.xn1, &mut g.full_a); // [N, D]; backward: reduce of dxn1
     be.linear_fwd(&mut g.q_tok, xn1, &w.q_proj, n, nh * hd, d, false);
+    poke();
     be.tokens_to_heads(&mut a.q, &g.q_tok, b, s, nh, hd, rope);
     // The value projection lands in `dkv_tok`, free until backward.
     be.linear_fwd_pair(&mut g.kv_tok, &w.k_proj, &mut g.dkv_tok, &w.v_proj, xn1, n, nkv * hd, d);
+    poke();
     be.tokens_to_heads(&mut a.k, &g.kv_tok, b, s, nkv, hd, rope);
     be.tokens_to_heads(&mut a.v, &g.dkv_tok, b, s, nkv, hd, None);
     attention_forward(ctx, a, g);
+    poke();
     be.heads_to_tokens(&mut a.att_tok, &a.att, b, s, nh, hd, None);
     // Row-parallel o_proj: partial sums reduced into this rank's rows; backward: gather.
     be.linear_fwd(seq.partial(&mut a.x1, &mut g.full_b), &a.att_tok, &w.o_proj, n, d, nh * hd, false);
     seq.finish(&mut a.x1, &g.full_b);
     be.add_assign(&mut a.x1, &a.x);
+    poke();
 
     be.rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, m.norm_eps);
     let xn2 = seq.gather(&a.xn2, &mut g.full_a); // [N, D]; backward: reduce of dxn2
     be.linear_fwd_pair(&mut a.gate, &w.gate_proj, &mut a.up, &w.up_proj, xn2, n, f, d);
+    poke();
     be.swiglu_fwd(&mut a.h, &a.gate, &a.up);
     let Some(out) = out else { return };
     // Row-parallel down_proj: partial sums reduced into this rank's rows; backward: gather.
@@ -884,17 +903,21 @@ fn block_bwd<T: Real, B: Backend<T>>(
     let (d, f, hd) = (m.d, m.ffn, m.hd);
     let (nh, nkv) = (m.heads, m.kv_heads);
     let rope = Some((ctx.cos, ctx.sin));
+    let poke = ctx.progress;
 
     // MLP: out = x1 + down(h). The output gradient, gathered to all N rows.
     let dout = seq.gather(dx, &mut g.full_a);
     be.linear_bwd(&mut g.dh, false, &mut dw.down_proj, dout, &a.h, &w.down_proj, n, d, f);
+    poke();
     be.swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
     // xn2 is gathered again rather than kept. dxn2: partial sums of the column-parallel
     // gate/up, reduced into this rank's rows.
     let xn2 = seq.gather(&a.xn2, &mut g.full_a);
     let partial = seq.partial(&mut g.dxn, &mut g.full_b);
     be.linear_bwd(partial, false, &mut dw.gate_proj, &g.dgate, xn2, &w.gate_proj, n, f, d);
+    poke();
     be.linear_bwd(partial, true, &mut dw.up_proj, &g.dup, xn2, &w.up_proj, n, f, d);
+    poke();
     seq.finish(&mut g.dxn, &g.full_b);
     // dx1 = dout (residual) + norm2 backward.
     be.copy(&mut g.dx1, dx);
@@ -903,16 +926,20 @@ fn block_bwd<T: Real, B: Backend<T>>(
     // Attention: x1 = x + o(att_tok).
     let dx1 = seq.gather(&g.dx1, &mut g.full_a);
     be.linear_bwd(&mut g.d_tok, false, &mut dw.o_proj, dx1, &a.att_tok, &w.o_proj, n, d, nh * hd);
+    poke();
     be.tokens_to_heads(&mut g.datt, &g.d_tok, b, s, nh, hd, None);
     attention_backward(ctx, a, g);
+    poke();
     // Projections: q, k, v = xn1 · W{q,k,v}ᵀ (RoPE on q and k undone by its transpose); dxn1
     // is a partial sum over the column-parallel heads, reduced into this rank's rows.
     let xn1 = seq.gather(&a.xn1, &mut g.full_a);
     let partial = seq.partial(&mut g.dxn, &mut g.full_b);
     be.heads_to_tokens(&mut g.d_tok, &g.dq, b, s, nh, hd, rope);
     be.linear_bwd(partial, false, &mut dw.q_proj, &g.d_tok, xn1, &w.q_proj, n, nh * hd, d);
+    poke();
     be.heads_to_tokens(&mut g.dkv_tok, &g.dk, b, s, nkv, hd, rope);
     be.linear_bwd(partial, true, &mut dw.k_proj, &g.dkv_tok, xn1, &w.k_proj, n, nkv * hd, d);
+    poke();
     be.heads_to_tokens(&mut g.dkv_tok, &g.dv, b, s, nkv, hd, None);
     be.linear_bwd(partial, true, &mut dw.v_proj, &g.dkv_tok, xn1, &w.v_proj, n, nkv * hd, d);
     seq.finish(&mut g.dxn, &g.full_b);
