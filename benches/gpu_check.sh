@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 10 as one script, for a machine with an NVIDIA GPU. It runs, in order:
+# Every GPU check of docs/gpu.md as one script, for a machine with an NVIDIA GPU. It runs, in order:
 #   1. `ndtrain gpu-check`: every operation of the backend boundary on the GPU against the host
 #      backend, a whole forward + backward of a small model in fp32 and bf16, NCCL (tolerances
 #      named in src/gpu/check.rs);

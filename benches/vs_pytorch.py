@@ -32,7 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def flops_per_token(m, seq):
-    """DESIGN.md: 6 N_matmul + 12 L D S (lm_head included, no causal halving)."""
+    """Training FLOPs per token, as ndtrain counts them (docs/model.md, "FLOPs and MFU"):
+    6 N_matmul + 12 L D S (lm_head included, no causal halving)."""
     d, l, f, v = m["d_model"], m["n_layers"], m["ffn_hidden"], m["vocab_size"]
     hd = d // m["n_heads"]
     q, kv = m["n_heads"] * hd, m["n_kv_heads"] * hd

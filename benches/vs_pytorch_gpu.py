@@ -3,7 +3,7 @@
 For a deck (default inputs/gpu_1b.toml, bf16), runs the two programs alternately (A B A B ...),
 each for a few optimiser steps after warm-up, and prints for each the median seconds per step,
 tokens/s and MFU against the deck's stated peak ([hardware] peak_flops_per_rank, the GPU's
-dense bf16 datasheet figure) with DESIGN.md's FLOP count, and the pair-wise ratios.
+dense bf16 datasheet figure) with ndtrain's FLOP count (docs/model.md), and the pair-wise ratios.
 
 The PyTorch side is PyTorch eager (no torch.compile): `LlamaForCausalLM` with the deck's
 shapes, f32 parameters under `torch.autocast(bfloat16)` (bf16 GEMMs and SDPA attention, f32
@@ -31,7 +31,7 @@ except ImportError:  # Python < 3.11
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vs_pytorch import flops_per_token  # noqa: E402  (DESIGN.md's FLOP count, one definition)
+from vs_pytorch import flops_per_token  # noqa: E402  (ndtrain's FLOP count, one definition)
 
 
 def torch_worker(deck_path, steps, warmup):

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Vendored from the workplace's shared tools (shared/tools/slurm-local.sh, documented in
-# shared/tools/slurm-local.md) so that tests/slurm.rs needs nothing outside this repository.
-# slurm-local.sh - start/stop a REAL Slurm cluster on this one machine, for CI.
+# slurm-local.sh - start/stop a REAL single-host Slurm cluster (slurmctld, slurmd, munge) on
+# this machine, so that job scripts can be submitted with sbatch on a laptop or CI machine.
+# tests/slurm.rs uses it to run jobscripts/slurm/train.sbatch (docs/hpc.md).
 #
 # Target: Debian 12 (bookworm), run as root, no systemd needed.
 # Uses Debian's slurm-wlm 22.05 + munge + the distro OpenMPI 4.1 (PMIx 4.2).
 #
-#   tools/slurm-local.sh start     install (apt, if needed), configure, start, wait until idle
-#   tools/slurm-local.sh stop      cancel jobs, stop the daemons this script started (by PID)
-#   tools/slurm-local.sh restart   stop + start
-#   tools/slurm-local.sh status    daemons, sinfo, squeue
-#   tools/slurm-local.sh env       print "export ..." lines for OpenMPI-as-root under Slurm
-#                                  (use: eval "$(tools/slurm-local.sh env)")
-#   tools/slurm-local.sh selftest  srun / sbatch --wait / MPI (srun --mpi=pmix, mpirun in sbatch)
+#   jobscripts/local/slurm-local.sh start     install (apt, if needed), configure, start, wait until idle
+#   jobscripts/local/slurm-local.sh stop      cancel jobs, stop the daemons this script started (by PID)
+#   jobscripts/local/slurm-local.sh restart   stop + start
+#   jobscripts/local/slurm-local.sh status    daemons, sinfo, squeue
+#   jobscripts/local/slurm-local.sh env       print "export ..." lines for OpenMPI-as-root under Slurm
+#                                             (use: eval "$(jobscripts/local/slurm-local.sh env)")
+#   jobscripts/local/slurm-local.sh selftest  srun / sbatch --wait / MPI (srun --mpi=pmix, mpirun in sbatch)
 #
 # Knobs (environment variables):
 #   SLURM_LOCAL_DIR         state, spool, logs, pid files       [/tmp/slurm-local]
@@ -23,7 +23,8 @@
 #                           (>1: node1..nodeN, one slurmd each on its own port)
 #   SLURM_LOCAL_PARTITIONS  comma list, all contain all nodes, first is default [debug]
 #   SLURM_LOCAL_MIN_JOB_AGE seconds a finished job stays visible to scontrol [5]
-#                           (<=5 keeps `sbatch --wait` polling every 2 s; see notes)
+#                           (<=5 keeps `sbatch --wait` polling every 2 s: it polls less
+#                           often when MinJobAge is larger)
 #   SLURM_LOCAL_TIMEOUT     seconds to wait for the node(s) to become idle [60]
 #   SLURM_LOCAL_NO_INSTALL  set to 1 to never call apt-get
 set -euo pipefail
