@@ -14,13 +14,13 @@
 //!
 //! Legend: `B` micro-batch, `S` sequence, `N = B·S`, `D` width, `F` ffn hidden, `V` vocab.
 
+use ndtrain::backend::cpu::gemm::set_gemm_threads;
 use ndtrain::config::{ActCkpt, Deck};
 use ndtrain::data::{open_source, Batch, Loader};
 use ndtrain::metrics::median;
 use ndtrain::metrics::peak_rss_bytes;
 use ndtrain::model::params::ModelParams;
 use ndtrain::model::{Model, Tokens};
-use ndtrain::real::set_gemm_threads;
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 use std::time::Instant;

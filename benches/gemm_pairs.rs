@@ -10,8 +10,8 @@
 //!
 //! `cargo bench --bench gemm_pairs -- [--reps 15]`
 
+use ndtrain::backend::cpu::gemm::{linear_bwd, linear_bwd_input, linear_bwd_weight, linear_fwd, linear_fwd_pair, set_gemm_threads};
 use ndtrain::metrics::median;
-use ndtrain::real::{linear_bwd, linear_bwd_input, linear_bwd_weight, linear_fwd, linear_fwd_pair, set_gemm_threads};
 use std::time::Instant;
 
 /// Tokens of a `bench_small` micro-batch (4 × 512).

@@ -14,7 +14,7 @@
 //! Arguments: `--reps N` (default 7, medians reported), `--gemms N` (compute per step).
 
 use mpi::ffi;
-use ndtrain::real::{matmul_serial, Mat, MatMut};
+use ndtrain::backend::cpu::gemm::{matmul_serial, Mat, MatMut};
 use std::os::raw::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;

@@ -1,9 +1,9 @@
 //! Training throughput of one rank: seconds per optimiser step, tokens/s, achieved FLOP/s and
 //! MFU against a GEMM peak measured in the same process on the same threads.
 //!
-//! Runs full optimiser steps exactly as `train::train` does on one rank (`grad_accum`
-//! micro-steps of data + forward + backward, global-norm clipping, the LR schedule, AdamW),
-//! through the library, without MPI. Every thread count asked for gets its own rayon pool; the
+//! Runs the training loop's own step (`train::step::Trainer::step`: `grad_accum` micro-steps
+//! of data + forward + backward, global-norm clipping, the LR schedule, AdamW) on one rank, a
+//! singleton MPI job. Every thread count asked for gets its own rayon pool; the
 //! steps of the thread counts are interleaved (T1 T2 T1 T2 …) on one model, so a load change
 //! on this shared machine hits each of them alike. Knows nothing of data parallelism.
 //!
@@ -11,15 +11,14 @@
 //!
 //! Legend: `B` micro-batch, `S` sequence, `N = B·S`, `D` width, `F` ffn hidden.
 
-use ndtrain::config::{Deck, Resolved};
-use ndtrain::data::{open_source, Loader};
-use ndtrain::metrics::median;
-use ndtrain::metrics::{flops_per_token, matmul_params};
-use ndtrain::model::params::ModelParams;
-use ndtrain::model::{Model, Tokens};
-use ndtrain::optim::{clip_coefficient, global_grad_norm, lr_at, scale_grads, AdamW};
-use ndtrain::real::{linear_fwd, set_gemm_threads};
-use ndtrain::train::probe_gemm_flops;
+use ndtrain::backend::cpu::gemm::{linear_fwd, set_gemm_threads};
+use ndtrain::backend::cpu::probe::gemm_flops;
+use ndtrain::backend::cpu::Cpu;
+use ndtrain::config::Deck;
+use ndtrain::metrics::{flops_per_token, matmul_params, median, Phase};
+use ndtrain::parallel::comm::Runtime;
+use ndtrain::parallel::mesh::Mesh;
+use ndtrain::train::step::{StepOutcome, Trainer};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -33,7 +32,7 @@ const USAGE: &str = "usage: cargo bench --bench throughput -- [DECK] [--threads 
 const PROBE_M: usize = 2048;
 const PROBE_K: usize = 512;
 const PROBE_N: usize = 1536;
-/// Repeats of each probe; the best counts (as `train::probe_gemm_flops`, best of 4).
+/// Repeats of each probe; the best counts (as `backend::cpu::probe::gemm_flops`, best of 4).
 const PROBE_REPS: usize = 4;
 
 struct Args {
@@ -83,74 +82,25 @@ struct StepTimes {
     optimizer: f64,
 }
 
-/// One rank's training state, stepped as `train::train` steps it (minus the communication).
-struct Trainer {
-    res: Resolved,
-    params: ModelParams<f32>,
-    grads: ModelParams<f32>,
-    opt: AdamW<f32>,
-    model: Model<f32>,
-    loader: Loader,
-    positions: Vec<usize>, // [S]
-    step: u64,
-    total_steps: u64,
-    last_loss: f64,
+/// The step's times from the training loop's own phase times (`comm`, the global norm's
+/// reductions, counts as optimizer time here: one rank has nothing to communicate).
+fn step_times(total: f64, out: &StepOutcome) -> StepTimes {
+    let p = &out.phases;
+    StepTimes {
+        total,
+        data: p[Phase::Data],
+        forward: p[Phase::Forward],
+        backward: p[Phase::Backward],
+        optimizer: p[Phase::Comm] + p[Phase::Optimizer],
+    }
 }
 
-impl Trainer {
-    fn new(res: Resolved, total_steps: u64) -> Result<Self, Error> {
-        let deck = &res.deck;
-        let (mcfg, tcfg) = (&deck.model, &deck.train);
-        let source = open_source(&deck.data, mcfg.vocab_size, deck.run.seed)?;
-        let loader = Loader::new(&deck.data, source, tcfg.seq_len, tcfg.micro_batch, res.global_batch, 1, 0, deck.run.seed)?;
-        Ok(Trainer {
-            params: ModelParams::init(mcfg, deck.run.seed),
-            grads: ModelParams::zeros(mcfg),
-            opt: AdamW::new(mcfg, &deck.optim),
-            model: Model::new(mcfg, tcfg.activation_checkpointing),
-            loader,
-            positions: (0..tcfg.seq_len).collect(),
-            step: 0,
-            total_steps,
-            last_loss: f64::NAN,
-            res,
-        })
-    }
-
-    /// One optimiser step on the current rayon pool and GEMM threads.
-    fn step(&mut self) -> Result<StepTimes, Error> {
-        let (tcfg, ocfg) = (&self.res.deck.train, &self.res.deck.optim);
-        let (s, mb, ga) = (tcfg.seq_len, tcfg.micro_batch, self.res.grad_accum);
-        let mut t = StepTimes::default();
-        let start = Instant::now();
-        self.grads.fill_zero();
-        let n_tok = (ga * mb * s) as f64;
-        let loss_scale = (1.0 / n_tok) as f32;
-        let mut loss_sum = 0.0;
-        for micro in 0..ga {
-            let t0 = Instant::now();
-            let batch = self.loader.micro_batch(self.step, micro)?;
-            let t1 = Instant::now();
-            let tok = Tokens { inputs: &batch.inputs, targets: &batch.targets, positions: &self.positions, batch: mb, seq: s };
-            loss_sum += self.model.forward(&self.params, &tok);
-            let t2 = Instant::now();
-            self.model.backward(&self.params, &mut self.grads, loss_scale);
-            let t3 = Instant::now();
-            t.data += (t1 - t0).as_secs_f64();
-            t.forward += (t2 - t1).as_secs_f64();
-            t.backward += (t3 - t2).as_secs_f64();
-        }
-        let t_opt = Instant::now();
-        let grad_norm = global_grad_norm(&self.grads);
-        scale_grads(&mut self.grads, clip_coefficient(grad_norm, ocfg.grad_clip));
-        let lr = lr_at(ocfg, self.res.lr, self.step, self.total_steps);
-        self.opt.step(&mut self.params, &self.grads, lr);
-        t.optimizer = t_opt.elapsed().as_secs_f64();
-        t.total = start.elapsed().as_secs_f64();
-        self.last_loss = loss_sum / n_tok;
-        self.step += 1;
-        Ok(t)
-    }
+/// One optimiser step of `trainer` on the current rayon pool and GEMM threads.
+fn step(trainer: &mut Trainer<'_, Cpu>, index: &mut u64) -> Result<(StepTimes, f64), Error> {
+    let start = Instant::now();
+    let out = trainer.step(*index)?;
+    *index += 1;
+    Ok((step_times(start.elapsed().as_secs_f64(), &out), out.loss))
 }
 
 /// Best FLOP/s of `PROBE_REPS` model-shaped GEMMs (`PROBE_M × PROBE_K × PROBE_N`, as a linear
@@ -185,6 +135,14 @@ struct PerThreads {
     probe_model: Vec<f64>,
 }
 
+/// Carries the trainer into a rayon pool's thread for one step.
+struct OnePool<T>(T);
+
+// SAFETY: `ThreadPool::install` blocks the calling thread until the closure has run on one of
+// the pool's threads, so the trainer is used by one thread at a time, never concurrently; and
+// a one-rank step makes no MPI call (its groups have degree 1 and nothing is in flight).
+unsafe impl<T> Send for OnePool<T> {}
+
 impl PerThreads {
     /// Runs `f` on this thread count: its rayon pool, and as many GEMM threads.
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
@@ -192,22 +150,34 @@ impl PerThreads {
         self.pool.install(f)
     }
 
+    /// One training step on this thread count.
+    fn step(&self, trainer: &mut Trainer<'_, Cpu>, index: &mut u64) -> Result<(StepTimes, f64), Error> {
+        let carried = OnePool((trainer, index));
+        self.run(move || {
+            // The whole wrapper moves into the closure (not its fields one by one).
+            let whole = carried;
+            let OnePool((trainer, index)) = whole;
+            step(trainer, index).map_err(|e| e.to_string())
+        })
+        .map_err(Error::from)
+    }
+
     fn probe(&mut self) {
-        let (sq, md) = self.run(|| (probe_gemm_flops(), probe_model_shape_flops()));
+        let (sq, md) = self.run(|| (gemm_flops(), probe_model_shape_flops()));
         self.probe_square.push(sq);
         self.probe_model.push(md);
     }
 }
 
 fn run(args: &Args) -> Result<(), Error> {
-    let deck = Deck::from_file(&args.deck, &[])?;
+    // The LR schedule spans every step the bench takes.
+    let total_steps = (args.warmup + args.steps) * args.threads.len();
+    let deck = Deck::from_file(&args.deck, &[format!("run.steps={total_steps}")])?;
     let res = deck.resolve(1)?;
     let (mcfg, tcfg) = (&res.deck.model, &res.deck.train);
     let tokens_per_step = (res.global_batch * tcfg.seq_len) as f64;
     let flops_tok = flops_per_token(mcfg, tcfg.seq_len);
     let flops_step = flops_tok * tokens_per_step;
-    let n_threads = args.threads.len() as u64;
-    let total_steps = (args.warmup + args.steps) as u64 * n_threads;
 
     println!("# throughput bench: {}", args.deck.display());
     println!(
@@ -224,7 +194,11 @@ fn run(args: &Args) -> Result<(), Error> {
         tokens_per_step,
         tcfg.activation_checkpointing
     );
-    println!("FLOPs (DESIGN.md, 6·N_matmul + 12·L·D·S per token): {:.4} GFLOP/token, {:.1} GFLOP/step", flops_tok / 1e9, flops_step / 1e9);
+    println!(
+        "FLOPs (docs/model.md, 6·N_matmul + 12·L·D·S per token): {:.4} GFLOP/token, {:.1} GFLOP/step",
+        flops_tok / 1e9,
+        flops_step / 1e9
+    );
     println!(
         "threads {:?}, {} warm-up + {} timed steps each, interleaved; loadavg at start {}",
         args.threads,
@@ -233,7 +207,12 @@ fn run(args: &Args) -> Result<(), Error> {
         loadavg()
     );
 
-    let mut trainer = Trainer::new(res.clone(), total_steps)?;
+    // One rank (a singleton MPI job): the training loop's own step on the host backend.
+    let runtime = Runtime::init();
+    let mesh = Mesh::new(runtime.world(), res.layout);
+    let be = Cpu { precision: tcfg.precision, staged: false };
+    let mut trainer = Trainer::seeded(be, mesh.host_collectives(), &res, &mesh)?;
+    let mut index = 0;
     let mut per: Vec<PerThreads> = args
         .threads
         .iter()
@@ -247,8 +226,8 @@ fn run(args: &Args) -> Result<(), Error> {
     // Warm-up (first touch of every buffer, AdamW state), then a first probe round.
     for i in 0..args.warmup {
         for p in per.iter_mut() {
-            let st = p.run(|| trainer.step())?;
-            println!("warm-up {} T={} {:.3} s loss {:.4}", i + 1, p.threads, st.total, trainer.last_loss);
+            let (st, loss) = p.step(&mut trainer, &mut index)?;
+            println!("warm-up {} T={} {:.3} s loss {:.4}", i + 1, p.threads, st.total, loss);
         }
     }
     for p in per.iter_mut() {
@@ -256,7 +235,7 @@ fn run(args: &Args) -> Result<(), Error> {
     }
     for i in 0..args.steps {
         for p in per.iter_mut() {
-            let st = p.run(|| trainer.step())?;
+            let (st, loss) = p.step(&mut trainer, &mut index)?;
             println!(
                 "step {:>2} T={} {:.3} s (data {:.3}, fwd {:.3}, bwd {:.3}, opt {:.3}) loss {:.4}",
                 i + 1,
@@ -266,7 +245,7 @@ fn run(args: &Args) -> Result<(), Error> {
                 st.forward,
                 st.backward,
                 st.optimizer,
-                trainer.last_loss
+                loss
             );
             p.steps.push(st);
         }

@@ -6,21 +6,17 @@
 //! message and exit code 2; an error after the mesh exists may be one rank's alone, so it
 //! ends the whole job with `MPI_Abort`.
 
-use crate::comm::{self, Runtime};
-use crate::config::Deck;
-use crate::mesh::Mesh;
+use crate::backend::cpu::{probe, Cpu};
+use crate::config::{Deck, Device, Resolved};
+use crate::exit::{BAD_INPUT as EXIT_BAD_INPUT, PREEMPTED as EXIT_PREEMPTED, RUN_FAILED as EXIT_RUN_FAILED};
 use crate::metrics::set_root;
+use crate::parallel::collective::{MeshCollectives, Solo};
+use crate::parallel::comm::{self, Runtime};
+use crate::parallel::mesh::Mesh;
 use crate::say;
+use crate::train::{Error, Peak, RunSummary};
 use clap::{Parser, Subcommand};
-use std::path::PathBuf;
-
-/// Exit code for a bad deck or bad arguments (nothing was started).
-pub const EXIT_BAD_INPUT: i32 = 2;
-/// Exit code for a failure during the run (every rank is aborted).
-pub const EXIT_RUN_FAILED: i32 = 1;
-/// Exit code after a stop signal (SIGTERM, SIGUSR1): a checkpoint was written at the step
-/// boundary and the job can be requeued to resume it (`EX_TEMPFAIL` of sysexits.h).
-pub const EXIT_PREEMPTED: i32 = 75;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug)]
 #[command(name = "ndtrain", version, about = "Train Llama-style transformers with N-D parallelism (DP, FSDP, TP, CP) over MPI")]
@@ -204,7 +200,7 @@ pub fn main() -> i32 {
 }
 
 fn run_ckpt(cmd: CkptCmd) -> i32 {
-    use crate::checkpoint::tools;
+    use crate::io::checkpoint::tools;
     let result = match cmd {
         CkptCmd::Inspect { file } => tools::inspect(&file).map_err(|e| e.to_string()).map(|report| {
             print!("{report}");
@@ -241,7 +237,7 @@ fn run_plan(deck: PathBuf, ranks: usize, ranks_per_node: Option<usize>, all_layo
     if let Some(r) = ranks_per_node {
         hw.ranks_per_node = r.max(1);
     }
-    let peak = if hw.peak_flops_per_rank > 0.0 { hw.peak_flops_per_rank } else { crate::train::probe_gemm_flops() };
+    let peak = if hw.peak_flops_per_rank > 0.0 { hw.peak_flops_per_rank } else { probe::gemm_flops() };
     if all_layouts {
         if let Err(e) = parsed.validate() {
             report_error(&e);
@@ -302,8 +298,8 @@ fn run_gpu_check(layout: Option<String>) -> i32 {
     let rt = Runtime::init();
     let world = rt.world();
     // A bad layout is bad input: every rank sees the same string and stops before any GPU work.
-    let mesh = match layout.map(|l| crate::gpu::check::parse_layout(&l, world.size())).transpose() {
-        Ok(l) => l.map(|l| crate::mesh::Mesh::new(rt.world(), l)),
+    let mesh = match layout.map(|l| crate::backend::cuda::check::parse_layout(&l, world.size())).transpose() {
+        Ok(l) => l.map(|l| Mesh::new(rt.world(), l)),
         Err(e) => {
             if world.rank() == 0 {
                 report_error(&e);
@@ -312,14 +308,14 @@ fn run_gpu_check(layout: Option<String>) -> i32 {
         }
     };
     let node = world.split_shared();
-    let opened = crate::gpu::backend::GpuBackend::open(node.rank(), crate::backend::Precision::Fp32);
+    let opened = crate::backend::cuda::backend::GpuBackend::open(node.rank(), crate::backend::Precision::Fp32);
     let local: Result<Vec<String>, String> = opened.and_then(|be| {
         use crate::backend::Backend;
         let mut lines = vec![format!("rank {} (node rank {}): GPU {}", world.rank(), node.rank(), be.describe())];
-        let mut checks = crate::gpu::check::check_backend(&be);
-        checks.push(crate::gpu::check::check_nccl(be.gpu(), &world)?);
+        let mut checks = crate::backend::cuda::check::check_backend(&be);
+        checks.push(crate::backend::cuda::check::check_nccl(be.gpu(), &world)?);
         for g in mesh.as_ref().map(|m| m.groups().to_vec()).unwrap_or_default() {
-            checks.push(crate::gpu::check::check_nccl(be.gpu(), g)?);
+            checks.push(crate::backend::cuda::check::check_nccl(be.gpu(), g)?);
         }
         let mut failed = 0;
         for c in &checks {
@@ -362,10 +358,9 @@ fn run_gpu_check(layout: Option<String>) -> i32 {
 
 fn run_probe(threads: usize) -> i32 {
     let threads = if threads > 0 { threads } else { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) };
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
-    crate::real::set_gemm_threads(threads);
-    let flops = crate::train::probe_gemm_flops();
-    let bw = crate::train::probe_memory_bandwidth();
+    crate::backend::cpu::use_threads(threads);
+    let flops = probe::gemm_flops();
+    let bw = probe::memory_bandwidth();
     println!("f32 GEMM (1024³, best of 4) on {threads} thread(s): {:.3e} FLOP/s", flops);
     println!("memory bandwidth (triad a = b + s·c over 3 × 64 MiB, best of 5) on {threads} thread(s): {:.3e} bytes/s", bw);
     println!("\n[hardware]\npeak_flops_per_rank = {flops:.4e}");
@@ -398,7 +393,7 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
             rt.finalize_and_exit(EXIT_BAD_INPUT);
         }
     };
-    if res.deck.run.device == crate::config::Device::Cuda && !cfg!(feature = "cuda") {
+    if res.deck.run.device == Device::Cuda && !cfg!(feature = "cuda") {
         report_error(&"[run] device = \"cuda\", but this ndtrain was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`");
         drop(world);
         rt.finalize_and_exit(EXIT_BAD_INPUT);
@@ -406,7 +401,7 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
     let out_dir = res.deck.run.out_dir();
     // The checks every rank can make before the first collective of training (output folders,
     // data, checkpoint, init_from): if any rank fails one, every rank stops here with code 2.
-    let verdict = crate::preflight::check(&res, world.rank(), &out_dir);
+    let verdict = crate::run::preflight::check(&res, world.rank(), &out_dir);
     let failed = world.count_true(verdict.is_err());
     if failed > 0 {
         if let Err(e) = verdict {
@@ -417,10 +412,8 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         rt.finalize_and_exit(EXIT_BAD_INPUT);
     }
     let mesh = Mesh::new(world, res.layout);
-    let threads = crate::train::threads_for_rank(res.deck.run.threads, mesh.node.size());
-    // A second global pool cannot be built; tests that call train twice in one process keep the first.
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
-    crate::real::set_gemm_threads(threads);
+    let threads = crate::backend::cpu::threads_for_rank(res.deck.run.threads, mesh.node.size());
+    crate::backend::cpu::use_threads(threads);
 
     say!("ndtrain {} | {} ranks × {threads} threads | deck {}", env!("CARGO_PKG_VERSION"), mesh.world.size(), deck_path.display());
     for line in &res.summary {
@@ -447,12 +440,7 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         }
     }
     mesh.world.barrier();
-    let outcome = if res.deck.run.device == crate::config::Device::Cuda || crate::debug::device_loop() {
-        run_device_loop(&res, &mesh, &out_dir)
-    } else {
-        crate::train::train(&res, &mesh, &out_dir)
-    };
-    match outcome {
+    match train_on_device(&res, &mesh, &out_dir) {
         Ok(summary) => {
             drop(mesh);
             rt.finalize_and_exit(if summary.preempted { EXIT_PREEMPTED } else { 0 })
@@ -474,64 +462,53 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
     }
 }
 
-/// The one-device training loop (`train_device`): on the rank's GPU for `[run] device =
-/// "cuda"`, on the host under the debug option `NDTRAIN_DEBUG_DEVICE_LOOP` (a test of the loop
-/// itself). The deck has been checked for one rank.
-fn run_device_loop(
-    res: &crate::config::Resolved,
-    mesh: &Mesh,
-    out_dir: &std::path::Path,
-) -> Result<crate::train::RunSummary, crate::train::Error> {
-    let deck = &res.deck;
-    if mesh.world.size() != 1 {
-        return Err(
-            format!("{}: the one-device loop runs on one rank, the job has {}", crate::debug::DEVICE_LOOP_ENV, mesh.world.size()).into()
-        );
+/// The rate MFU is stated against: the deck's `[hardware] peak_flops_per_rank`, else `probe`.
+fn peak(res: &Resolved, probe: impl FnOnce() -> Result<(f64, String), Error>) -> Result<Peak, Error> {
+    let stated = res.deck.hardware.peak_flops_per_rank;
+    if stated > 0.0 {
+        return Ok(Peak { flops: stated, source: "[hardware] peak_flops_per_rank".into() });
     }
-    let stated = deck.hardware.peak_flops_per_rank;
-    if deck.run.device == crate::config::Device::Cpu {
-        let peak = if stated > 0.0 {
-            (stated, "[hardware] peak_flops_per_rank")
-        } else {
-            (crate::train::probe_gemm_flops(), "measured f32 GEMM probe")
-        };
-        let be = crate::backend::Cpu { precision: deck.train.precision };
-        return crate::train_device::train(be, crate::model::Par::single(), res, &mesh.world, out_dir, peak);
-    }
-    run_gpu_loop(res, mesh, out_dir, stated)
+    let (flops, source) = probe()?;
+    Ok(Peak { flops, source })
 }
 
+/// Trains on the deck's `[run] device`: the host (every layout, MPI collectives), or the
+/// rank's GPU. Under the debug option `NDTRAIN_DEBUG_DEVICE_PATH` the host runs the device's
+/// path: buffers treated as device memory and a lone device's collectives (one rank).
+fn train_on_device(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, Error> {
+    let precision = res.deck.train.precision;
+    match res.deck.run.device {
+        Device::Cpu => {
+            let peak = peak(res, || Ok((probe::gemm_flops(), "measured f32 GEMM probe".into())))?;
+            if crate::run::faults::device_path() {
+                if mesh.world.size() != 1 {
+                    let env = crate::run::faults::DEVICE_PATH_ENV;
+                    return Err(format!("{env}: the device path runs on one rank, the job has {}", mesh.world.size()).into());
+                }
+                let be = Cpu { precision, staged: true };
+                let solo = Solo::new(be);
+                let comms = MeshCollectives { tp: &solo, cp: &solo, fsdp: &solo, dp_rep: &solo };
+                return crate::train::train(be, comms, res, mesh, out_dir, peak);
+            }
+            crate::train::train(Cpu { precision, staged: false }, mesh.host_collectives(), res, mesh, out_dir, peak)
+        }
+        Device::Cuda => train_on_gpu(res, mesh, out_dir),
+    }
+}
+
+/// One rank on its GPU (the deck's checks allow `device = "cuda"` on one rank only).
 #[cfg(feature = "cuda")]
-fn run_gpu_loop(
-    res: &crate::config::Resolved,
-    mesh: &Mesh,
-    out_dir: &std::path::Path,
-    stated: f64,
-) -> Result<crate::train::RunSummary, crate::train::Error> {
-    use crate::train_device::Alone;
-    let be = crate::gpu::backend::GpuBackend::open(mesh.node.rank(), res.deck.train.precision)?;
-    let peak = if stated > 0.0 {
-        (stated, "[hardware] peak_flops_per_rank".to_string())
-    } else {
-        (be.gemm_probe()?, format!("measured {:?} GEMM probe on the GPU", res.deck.train.precision))
-    };
-    crate::train_device::train(
-        be,
-        crate::model::Par { tp: &Alone, cp: &Alone, progress: crate::model::no_progress },
-        res,
-        &mesh.world,
-        out_dir,
-        (peak.0, &peak.1),
-    )
+fn train_on_gpu(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, Error> {
+    let precision = res.deck.train.precision;
+    let be = crate::backend::cuda::backend::GpuBackend::open(mesh.node.rank(), precision)?;
+    let peak = peak(res, || Ok((be.gemm_probe()?, format!("measured {precision:?} GEMM probe on the GPU"))))?;
+    let solo = Solo::new(be.clone());
+    let comms = MeshCollectives { tp: &solo, cp: &solo, fsdp: &solo, dp_rep: &solo };
+    crate::train::train(be.clone(), comms, res, mesh, out_dir, peak)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_gpu_loop(
-    _: &crate::config::Resolved,
-    _: &Mesh,
-    _: &std::path::Path,
-    _: f64,
-) -> Result<crate::train::RunSummary, crate::train::Error> {
+fn train_on_gpu(_: &Resolved, _: &Mesh, _: &Path) -> Result<RunSummary, Error> {
     Err("[run] device = \"cuda\", but this ndtrain was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`".into())
 }
 

@@ -1,32 +1,26 @@
 //! ndtrain: an SPMD MPI trainer for Llama-style transformers with N-dimensional parallelism.
 //!
-//! See `docs/architecture.md` for what each module owns.
+//! The layers, from the bottom: `scalar`, `rng`, `exit` and `config` (leaves); `backend` (the
+//! hardware: host and CUDA kernels); `model` (one-rank maths); `parallel` (the mesh, MPI and
+//! every parallel strategy, applied to the model from outside); `optim`, `data`, `io`
+//! (HDF5, checkpoints, Hugging Face files), `metrics`; `run` (run control); `train` (the one
+//! training loop); `tools` (`plan`, `sweep`, `report`) and `cli` on top.
+//! `docs/architecture.md` draws the module graph and says what each module owns.
 
 pub mod backend;
-pub mod checkpoint;
 pub mod cli;
-pub mod comm;
 pub mod config;
-pub mod cp;
 pub mod data;
-pub mod debug;
-pub mod fsdp;
-#[cfg(feature = "cuda")]
-pub mod gpu;
-pub mod hdf5io;
-pub mod hf;
-pub mod mesh;
+pub mod exit;
+pub mod io;
 pub mod metrics;
 pub mod model;
 pub mod optim;
+pub mod parallel;
 pub mod plan;
-pub mod preempt;
-pub mod preflight;
-pub mod real;
 pub mod report;
 pub mod rng;
+pub mod run;
+pub mod scalar;
 pub mod sweep;
-pub mod tp;
 pub mod train;
-pub mod train_device;
-pub mod watchdog;

@@ -40,7 +40,7 @@ pub fn matmul_params(cfg: &ModelCfg) -> u64 {
     cfg.n_layers as u64 * per_layer + cfg.vocab_size as u64 * d
 }
 
-/// Training FLOPs per token (DESIGN.md): `6·N_matmul + 12·L·D·S`, no causal halving.
+/// Training FLOPs per token (`docs/model.md`): `6·N_matmul + 12·L·D·S`, no causal halving.
 pub fn flops_per_token(cfg: &ModelCfg, seq_len: usize) -> f64 {
     6.0 * matmul_params(cfg) as f64 + 12.0 * (cfg.n_layers * cfg.d_model * seq_len) as f64
 }
@@ -139,15 +139,55 @@ impl MetricsCsv {
 /// the stop-signal agreement), where a fast rank waits for the slowest.
 pub const PHASES: [&str; 7] = ["data", "forward", "backward", "comm", "optimizer", "checkpoint", "wait"];
 
-/// Per-step phase times of this rank, in seconds, in `PHASES` order.
+/// A phase of a step (named in logs as [`PHASES`] says).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Data,
+    Forward,
+    Backward,
+    Comm,
+    Optimizer,
+    Checkpoint,
+    Wait,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 7] =
+        [Phase::Data, Phase::Forward, Phase::Backward, Phase::Comm, Phase::Optimizer, Phase::Checkpoint, Phase::Wait];
+
+    /// The phase's name in the logs.
+    pub fn name(self) -> &'static str {
+        PHASES[self as usize]
+    }
+}
+
+/// Per-step phase times of this rank, in seconds, indexed by [`Phase`].
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PhaseTimes(pub [f64; 7]);
+pub struct PhaseTimes([f64; 7]);
 
 impl PhaseTimes {
     pub fn add(&mut self, other: &PhaseTimes) {
         for (a, b) in self.0.iter_mut().zip(other.0) {
             *a += b;
         }
+    }
+
+    /// Every phase's time, in [`PHASES`] order.
+    pub fn values(&self) -> &[f64; 7] {
+        &self.0
+    }
+}
+
+impl std::ops::Index<Phase> for PhaseTimes {
+    type Output = f64;
+    fn index(&self, p: Phase) -> &f64 {
+        &self.0[p as usize]
+    }
+}
+
+impl std::ops::IndexMut<Phase> for PhaseTimes {
+    fn index_mut(&mut self, p: Phase) -> &mut f64 {
+        &mut self.0[p as usize]
     }
 }
 
@@ -196,7 +236,7 @@ pub struct StepTiming<'a> {
     /// Writing the previous step's logs.
     pub log_s: f64,
     /// Counters of this step by `group.kind`.
-    pub comm: &'a std::collections::BTreeMap<String, crate::comm::CommCount>,
+    pub comm: &'a std::collections::BTreeMap<String, crate::parallel::comm::CommCount>,
     pub mem: &'a MemoryStats,
     pub attention_pairs: u64,
 }
@@ -243,7 +283,7 @@ impl TimingLog {
     pub fn append(&mut self, r: &StepTiming<'_>) -> std::io::Result<()> {
         let (mem, comm) = (r.mem, r.comm);
         let mut row = vec![r.step.to_string(), format!("{:.6e}", r.step_s)];
-        row.extend(r.phases.0.iter().map(|x| format!("{x:.6e}")));
+        row.extend(r.phases.values().iter().map(|x| format!("{x:.6e}")));
         row.push(format!("{:.6e}", r.log_s));
         for c in COLLECTIVES {
             let k = comm.get(c).copied().unwrap_or_default();
@@ -371,7 +411,7 @@ mod tests {
         };
         // 8 · (4·512² + 3·512·1536) + 4096·512
         assert_eq!(matmul_params(&cfg), 8 * (4 * 512 * 512 + 3 * 512 * 1536) + 4096 * 512);
-        // bench_small: 412 GFLOP per step of 4 × 512 tokens (issue 9's figure).
+        // bench_small: 412 GFLOP per step of 4 × 512 tokens (its deck's header says so).
         let per_step = flops_per_token(&cfg, 512) * 2048.0;
         assert!((per_step / 1e9 - 412.0).abs() < 1.0, "{per_step}");
     }

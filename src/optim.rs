@@ -1,17 +1,16 @@
-//! AdamW with PyTorch semantics, gradient clipping by global norm, and the LR schedule.
+//! AdamW with PyTorch semantics, gradient clipping by global norm, and the LR schedule
+//! (`docs/model.md`).
 //!
-//! Works on whatever tensors it is given: the full model on one rank, or a rank's shards
-//! under FSDP (the caller supplies the global norm, reduced across ranks). Knows nothing of
-//! communication. The moments are kept in the parameters' element type (f32 in training).
+//! [`AdamRule`] is the update rule any holder of moments applies (the training state on a
+//! backend, or [`AdamW`] on host tensors); the host helpers work on a model held whole on one
+//! rank (the caller of a sharded state supplies the global norm, reduced across ranks). Knows
+//! nothing of communication. The moments are kept in the parameters' element type.
 
+use crate::backend::cpu::adamw::adamw_update;
 use crate::backend::AdamStep;
 use crate::config::{ModelCfg, OptimCfg, Schedule};
 use crate::model::params::{param_specs, ModelParams};
-use crate::real::Real;
-use rayon::prelude::*;
-
-/// Elements per parallel AdamW task.
-const ADAMW_CHUNK: usize = 16384;
+use crate::scalar::Real;
 
 /// Learning rate of 0-based optimiser step `step` of `total_steps` for peak rate `peak_lr`:
 /// linear warm-up `peak·(s+1)/warmup`, then cosine, linear or constant down to `min_lr`.
@@ -61,19 +60,44 @@ pub fn scale_grads<T: Real>(grads: &mut ModelParams<T>, coef: f64) {
     }
 }
 
-/// AdamW state: the two moments of every slot (a tensor, or a rank's shard of one) and the
-/// step count.
-pub struct AdamW<T> {
-    pub exp_avg: Vec<Vec<T>>,
-    pub exp_avg_sq: Vec<Vec<T>>,
+/// AdamW's update rule with PyTorch's semantics: the hyper-parameters and the count of
+/// updates taken, which give each update's coefficients ([`AdamStep`]). Whoever holds the
+/// moments (a host model here, a rank's shards on a backend in `train`) applies them.
+#[derive(Clone, Debug)]
+pub struct AdamRule {
     /// Optimiser steps taken (PyTorch's `state['step']`).
     pub t: u64,
-    /// Whether each slot is weight-decayed (2-D weights) or not (norm weights).
-    decayed: Vec<bool>,
     beta1: f64,
     beta2: f64,
     eps: f64,
     weight_decay: f64,
+}
+
+impl AdamRule {
+    pub fn new(cfg: &OptimCfg) -> Self {
+        AdamRule { t: 0, beta1: cfg.beta1, beta2: cfg.beta2, eps: cfg.eps, weight_decay: cfg.weight_decay }
+    }
+
+    /// Counts one more update.
+    pub fn advance(&mut self) {
+        self.t += 1;
+    }
+
+    /// The coefficients of the current update (`t` already counts it) with learning rate
+    /// `lr` for a tensor that is weight-decayed (2-D weights) or not (norm weights).
+    pub fn coefficients(&self, lr: f64, decayed: bool) -> AdamStep {
+        AdamStep::new(self.t, lr, self.beta1, self.beta2, self.eps, self.weight_decay, decayed)
+    }
+}
+
+/// AdamW over tensors held in host memory: the two moments of every slot (a tensor, or a
+/// rank's shard of one) and the rule. The host reference of the optimiser (tests, benches).
+pub struct AdamW<T> {
+    pub exp_avg: Vec<Vec<T>>,
+    pub exp_avg_sq: Vec<Vec<T>>,
+    pub rule: AdamRule,
+    /// Whether each slot is weight-decayed (2-D weights) or not (norm weights).
+    decayed: Vec<bool>,
 }
 
 impl<T: Real> AdamW<T> {
@@ -89,12 +113,8 @@ impl<T: Real> AdamW<T> {
         AdamW {
             exp_avg: slots.iter().map(|&(n, _)| vec![T::ZERO; n]).collect(),
             exp_avg_sq: slots.iter().map(|&(n, _)| vec![T::ZERO; n]).collect(),
-            t: 0,
+            rule: AdamRule::new(cfg),
             decayed: slots.iter().map(|&(_, d)| d).collect(),
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.eps,
-            weight_decay: cfg.weight_decay,
         }
     }
 
@@ -109,41 +129,13 @@ impl<T: Real> AdamW<T> {
     /// then the bias-corrected Adam step); slots that are not decayed skip the decay.
     pub fn step_slots(&mut self, params: Vec<&mut [T]>, grads: &[&[T]], lr: f64) {
         assert_eq!(params.len(), self.exp_avg.len(), "AdamW: slot count changed");
-        self.t += 1;
-        let steps: Vec<AdamStep> = self.decayed.iter().map(|&d| self.coefficients(lr, d)).collect();
+        self.rule.advance();
         let slots = params.into_iter().zip(grads).zip(self.exp_avg.iter_mut()).zip(self.exp_avg_sq.iter_mut());
         for (i, (((p, g), m), v)) in slots.enumerate() {
             assert_eq!(p.len(), m.len(), "AdamW: slot {i} changed length");
-            adamw_update(p, g, m, v, &steps[i]);
+            adamw_update(p, g, m, v, &self.rule.coefficients(lr, self.decayed[i]));
         }
     }
-
-    /// The coefficients of the current update (`t` already counts it) for one tensor.
-    pub fn coefficients(&self, lr: f64, decayed: bool) -> AdamStep {
-        AdamStep::new(self.t, lr, self.beta1, self.beta2, self.eps, self.weight_decay, decayed)
-    }
-}
-
-/// One AdamW update of one tensor on the host (the CPU backend's `adamw` too).
-pub fn adamw_update<T: Real>(p: &mut [T], g: &[T], m: &mut [T], v: &mut [T], step: &AdamStep) {
-    let (step_size, bc2_sqrt, eps, d) =
-        (T::from_f64(step.step_size), T::from_f64(step.bc2_sqrt), T::from_f64(step.eps), T::from_f64(step.decay));
-    let (b1, b2) = (T::from_f64(step.b1), T::from_f64(step.b2));
-    let (one_m_b1, one_m_b2) = (T::from_f64(1.0 - step.b1), T::from_f64(1.0 - step.b2));
-    // Elementwise and independent: chunks run in parallel, each a straight loop the compiler
-    // vectorises; the result does not depend on the thread count.
-    p.par_chunks_mut(ADAMW_CHUNK)
-        .zip(g.par_chunks(ADAMW_CHUNK))
-        .zip(m.par_chunks_mut(ADAMW_CHUNK))
-        .zip(v.par_chunks_mut(ADAMW_CHUNK))
-        .for_each(|(((p, g), m), v)| {
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                *p *= d;
-                *m = b1 * *m + one_m_b1 * g;
-                *v = b2 * *v + one_m_b2 * g * g;
-                *p -= step_size * *m / (v.sqrt() / bc2_sqrt + eps);
-            }
-        });
 }
 
 #[cfg(test)]
@@ -151,7 +143,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn schedule_follows_design() {
+    fn schedule_follows_the_documented_formulas() {
         let cfg = OptimCfg { lr: 1.0, min_lr: 0.1, warmup_steps: 2, schedule: Schedule::Cosine, ..Default::default() };
         assert!((lr_at(&cfg, 1.0, 0, 10) - 0.5).abs() < 1e-15);
         assert!((lr_at(&cfg, 1.0, 1, 10) - 1.0).abs() < 1e-15);

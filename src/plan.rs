@@ -1,18 +1,21 @@
 //! The planner (`ndtrain plan`): what a deck will need on a layout, before a job is queued.
 //!
 //! Memory per rank by category comes from the same shape functions the code allocates with
-//! (`fsdp::predicted_memory`, `Model::memory`), bytes per group from the same formulas the
-//! tests hold to the measured counters (`fsdp`, `tp`, `cp`), FLOPs from DESIGN.md's formula.
+//! (`fsdp::memory::predicted_memory`, `Model::memory`, the ring's scratch), bytes per group
+//! from the same formulas the tests hold to the measured counters (`fsdp`, `tp`, `cp`), FLOPs
+//! from the formula of `docs/model.md`.
 //! Nothing of the model is allocated, so a 70B deck on 512 ranks plans in milliseconds.
 //! `rank_layouts` enumerates every valid `(dp_replicate, dp_shard, cp, tp)` of a world and
 //! orders them by a simple cost model over the `[hardware]` table (`docs/planning.md`).
 //! Knows nothing of MPI or training.
 
 use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, Resolved};
-use crate::fsdp::{predicted_comm_bytes as fsdp_bytes, predicted_memory, ShardPlan, StateMemory};
 use crate::metrics::fmt_bytes;
 use crate::model::params::Dims;
 use crate::model::{ActivationMemory, Model};
+use crate::parallel::fsdp::memory::{predicted_comm_bytes as fsdp_bytes, predicted_memory, StateMemory};
+use crate::parallel::fsdp::ShardPlan;
+use crate::parallel::{cp, tp};
 use std::collections::BTreeMap;
 
 /// What one rank of a layout needs per optimiser step (rank 0 of every group: the largest
@@ -57,7 +60,14 @@ pub fn plan(res: &Resolved) -> RankPlan {
     let p = &deck.parallel;
     let state = predicted_memory(&shards, l.dp_replicate, p.reshard_after_forward, p.overlap);
     let s_local = deck.train.seq_len / l.cp;
-    let acts = |ckpt| Model::<f32>::memory(&dims, deck.train.micro_batch, s_local, ckpt, p.sequence_parallel, l.cp);
+    let mb = deck.train.micro_batch;
+    let rows = tp::residual_rows(mb * s_local, l.tp, p.sequence_parallel);
+    let acts = |ckpt| {
+        let mut a = Model::<f32>::memory(&dims, mb, s_local, ckpt, rows);
+        // The ring attention's scratch is allocated beside the block's backward buffers.
+        a.backward += 4 * cp::ring_scratch_elements(&dims, mb, s_local, l.cp);
+        a
+    };
     let flops_per_step = crate::metrics::flops_per_token(&deck.model, deck.train.seq_len) * res.tokens_per_step as f64;
     RankPlan {
         layout: l,
@@ -92,9 +102,9 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
     let replicated: usize = shards.units.iter().flat_map(|u| &u.tensors).filter(|t| t.tp_replicated).map(|t| t.shard_len()).sum();
     let s_local = deck.train.seq_len / l.cp;
     let tokens = deck.train.micro_batch * s_local;
-    out.extend(crate::tp::predicted_tp_bytes(dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated));
+    out.extend(tp::predicted_tp_bytes(dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated));
     if l.cp > 1 {
-        let ring = crate::cp::predicted_ring_bytes(dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute);
+        let ring = cp::predicted_ring_bytes(dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute);
         out.insert("cp.ring".into(), ring);
         // The token count and the loss, 8 bytes each.
         out.insert("cp.all_reduce".into(), 16);
@@ -141,7 +151,7 @@ pub struct Cost {
 }
 
 /// How many consecutive ranks a group's members span: groups of inner axes are runs of
-/// consecutive ranks (DESIGN.md's rank order), outer ones span the world.
+/// consecutive ranks (the mesh's rank order, `docs/parallelism.md`), outer ones span the world.
 fn span(group: &str, l: &Layout) -> usize {
     match group {
         "tp" => l.tp,

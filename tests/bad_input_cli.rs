@@ -10,7 +10,7 @@
 mod common;
 use common::*;
 use ndtrain::data::{BIN_MAGIC_GPT2, BIN_MAGIC_LLAMA3, BIN_VERSION_GPT2, BIN_VERSION_LLAMA3};
-use ndtrain::hdf5io::{write_tokens, TokenSlice};
+use ndtrain::io::hdf5::{write_tokens, TokenSlice};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

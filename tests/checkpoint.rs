@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use ndtrain::checkpoint::tools;
+use ndtrain::io::checkpoint::tools;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -204,7 +204,7 @@ fn a_kill_during_a_write_leaves_the_previous_checkpoint() {
     let sets = ["run.steps=6", "checkpoint.every=2", "parallel.dp_shard=2"];
     let straight = train(d, "straight", Some(2), &sets);
     let out = d.join("killed");
-    let (o, timed_out) = output_within(mpirun_train(2, &out, &sets).env(ndtrain::debug::ABORT_DURING_CHECKPOINT_ENV, "4"), 120);
+    let (o, timed_out) = output_within(mpirun_train(2, &out, &sets).env(ndtrain::run::faults::ABORT_DURING_CHECKPOINT_ENV, "4"), 120);
     assert!(!timed_out && !o.status.success(), "the job must die mid-write: {}", text(&o));
     let ck = out.join("ckpt");
     assert!(
@@ -270,7 +270,7 @@ fn sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise() {
     let out = d.join("stopped");
     // 100 ms per step: the signal lands mid-run on any machine, however fast its steps are.
     let child = mpirun_train(2, &out, &sets)
-        .env(ndtrain::debug::STEP_DELAY_ENV, "100")
+        .env(ndtrain::run::faults::STEP_DELAY_ENV, "100")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -288,7 +288,7 @@ fn sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise() {
         assert!(Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
     }
     let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(ndtrain::cli::EXIT_PREEMPTED), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(ndtrain::exit::PREEMPTED), "{}", text(&o));
     let stopped_at = losses(&out).0.len() as u64;
     // The signal arrives during step `logged + 1` (or just after `logged` was written, before
     // the next step's agreement): the ranks stop at the end of that step or the next, no later.
@@ -386,8 +386,8 @@ fn ckpt_export_matches_export_hf_and_keep_prunes() {
     assert!(o.status.success(), "{}", text(&o));
     let owned: Vec<String> = SETS.iter().map(|s| s.to_string()).collect();
     let cfg = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap().model;
-    let a = ndtrain::hf::load_params::<f32>(&hf_run, &cfg).unwrap();
-    let b = ndtrain::hf::load_params::<f32>(&hf_ckpt, &cfg).unwrap();
+    let a = ndtrain::io::hf::load_params::<f32>(&hf_run, &cfg).unwrap();
+    let b = ndtrain::io::hf::load_params::<f32>(&hf_ckpt, &cfg).unwrap();
     assert_eq!(a, b, "the same model, bit for bit");
     assert_eq!(std::fs::read(hf_run.join("config.json")).unwrap(), std::fs::read(hf_ckpt.join("config.json")).unwrap());
 

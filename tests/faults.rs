@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use ndtrain::checkpoint::tools;
-use ndtrain::debug;
+use ndtrain::io::checkpoint::tools;
+use ndtrain::run::faults as debug;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -198,7 +198,7 @@ fn a_nan_gradient_is_skipped_or_stops_the_run_by_name() {
     assert_ne!(got[3], want[3], "step 4 starts from the parameters of step 2");
     let norms = column(&skip, "grad_norm");
     assert!(norms[2].is_nan() && norms.iter().enumerate().all(|(i, x)| i == 2 || x.is_finite()), "{norms:?}");
-    let meta = |out: &Path| ndtrain::checkpoint::Reader::open_serial(&ckpt(out, 6)).unwrap().meta;
+    let meta = |out: &Path| ndtrain::io::checkpoint::Reader::open_serial(&ckpt(out, 6)).unwrap().meta;
     assert_eq!((meta(&skip).step, meta(&skip).optim_step), (6, 5), "exactly one update skipped");
     assert_eq!(meta(&clean).optim_step, 6);
 

@@ -40,7 +40,7 @@ use ndtrain::config::{ConfigError, DataCfg, Deck, Order, Source};
 use ndtrain::data::{
     open_source, DataError, Loader, BIN_HEADER_INTS, BIN_MAGIC_GPT2, BIN_MAGIC_LLAMA3, BIN_VERSION_GPT2, BIN_VERSION_LLAMA3,
 };
-use ndtrain::hdf5io::{write_tokens, TokenSlice};
+use ndtrain::io::hdf5::{write_tokens, TokenSlice};
 use proptest::prelude::*;
 use proptest::sample::Index;
 

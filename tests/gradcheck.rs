@@ -1,8 +1,9 @@
 //! Finite-difference checks of the hand-written backward, in f64, for every parameter tensor
 //! and for the attention kernel on its own (several query blocks, GQA, causal mask).
 
+use ndtrain::backend::cpu::attention::{attention_bwd, attention_fwd};
+use ndtrain::backend::AttnDims;
 use ndtrain::config::{ActCkpt, ModelCfg};
-use ndtrain::model::attention::{attention_bwd, attention_fwd, AttnDims};
 use ndtrain::model::params::{param_specs, ModelParams};
 use ndtrain::model::{Model, Tokens};
 use ndtrain::rng;

@@ -21,15 +21,19 @@
 // The references index like the maths they transcribe.
 #![allow(clippy::needless_range_loop)]
 
-use ndtrain::config::{ModelCfg, OptimCfg, Schedule};
-use ndtrain::model::attention::{attention_bwd, attention_fwd, merge_partial, visible_pairs, zigzag_positions, AttnDims};
-use ndtrain::model::kernels::{
-    add, add_assign, cross_entropy_bwd_inplace, from_heads_rope, rmsnorm_bwd, rmsnorm_fwd, rope_tables, row_max, row_sum_exp, swiglu_bwd,
-    swiglu_fwd, target_logit, to_heads_rope,
+use ndtrain::backend::cpu::attention::{attention_bwd, attention_fwd, merge_partial};
+use ndtrain::backend::cpu::gemm::{linear_bwd_input, linear_bwd_weight, linear_fwd};
+use ndtrain::backend::cpu::kernels::{
+    add, add_assign, cross_entropy_bwd_inplace, from_heads_rope, rmsnorm_bwd, rmsnorm_fwd, row_max, row_sum_exp, swiglu_bwd, swiglu_fwd,
+    target_logit, to_heads_rope,
 };
+use ndtrain::backend::AttnDims;
+use ndtrain::config::{ModelCfg, OptimCfg, Schedule};
 use ndtrain::model::params::ModelParams;
+use ndtrain::model::positions::{rope_tables, visible_pairs};
 use ndtrain::optim::{clip_coefficient, global_grad_norm, grad_sq_sum, lr_at, scale_grads, AdamW};
-use ndtrain::real::{linear_bwd_input, linear_bwd_weight, linear_fwd, Real};
+use ndtrain::parallel::cp::zigzag_positions;
+use ndtrain::scalar::Real;
 
 /// f32 kernels: ε = 2⁻²³ ≈ 1.2e-7 and the longest reduction here has ~140 terms (a softmax
 /// row, a dot product, a column of dW), so a correct kernel lands near 1e-6 of the largest
@@ -999,7 +1003,7 @@ fn check_adamw_slots<T: Real>() {
             assert_close(&format!("AdamW exp_avg {ctx}"), &opt.exp_avg[s], &m[s], tol::<T>());
             assert_close(&format!("AdamW exp_avg_sq {ctx}"), &opt.exp_avg_sq[s], &v[s], tol::<T>());
         }
-        assert_eq!(opt.t, step as u64 + 1);
+        assert_eq!(opt.rule.t, step as u64 + 1);
     }
 }
 

@@ -2,7 +2,7 @@
 //! `tests/reference/data/` (made by `tests/reference/generate.py`; versions, date and every
 //! hyper-parameter in `meta.json`, see `tests/reference/README.md`).
 //!
-//! For each case (`untied`, `tied`) the model is imported with `ndtrain::hf::load_params` from
+//! For each case (`untied`, `tied`) the model is imported with `ndtrain::io::hf::load_params` from
 //! the folder `save_pretrained` wrote, then checked on one batch (logits, mean loss, the
 //! gradient of every parameter) and over five AdamW steps with warm-up + cosine LR and active
 //! gradient clipping (each step's LR, loss and pre-clip gradient norm, and the final
@@ -29,7 +29,7 @@ use ndtrain::config::{ActCkpt, ModelCfg, OptimCfg, Schedule};
 use ndtrain::model::params::{param_specs, ModelParams};
 use ndtrain::model::{Model, Tokens};
 use ndtrain::optim::{clip_coefficient, global_grad_norm, lr_at, scale_grads, AdamW};
-use ndtrain::real::Real;
+use ndtrain::scalar::Real;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
@@ -281,7 +281,7 @@ impl Case {
         assert_eq!(shape, [batch, seq + 1]);
         let (shape, train_tokens) = reference.i64s("train_tokens");
         assert_eq!(shape, [steps as usize, batch, seq + 1]);
-        let initial = ndtrain::hf::load_params(&dir, &cfg).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let initial = ndtrain::io::hf::load_params(&dir, &cfg).unwrap_or_else(|e| panic!("{name}: {e}"));
         Case { name, cfg, optim, steps, batch, seq, reference, tokens, train_tokens, initial }
     }
 

@@ -118,7 +118,12 @@ fn requeue_after_signal(env: &[(String, String)], dir: &std::path::Path) {
         .args(["--parsable", "--ntasks-per-node=2", "--job-name=requeued"])
         .arg(format!("--chdir={}", repo().display()))
         .arg(format!("--output={}", job_out.display()))
-        .arg(format!("--export=ALL,DECK={},NDTRAIN={},SETS={sets},{}=100", tiny_deck().display(), bin(), ndtrain::debug::STEP_DELAY_ENV))
+        .arg(format!(
+            "--export=ALL,DECK={},NDTRAIN={},SETS={sets},{}=100",
+            tiny_deck().display(),
+            bin(),
+            ndtrain::run::faults::STEP_DELAY_ENV
+        ))
         .arg(repo().join("jobscripts/slurm/train.sbatch"))
         .output()
         .unwrap();

@@ -24,7 +24,7 @@ fn run(dir: &Path, name: &str, device_loop: bool, extra: &[&str]) -> Vec<f64> {
         cmd.args(["--set", s]);
     }
     if device_loop {
-        cmd.env(ndtrain::debug::DEVICE_LOOP_ENV, "1");
+        cmd.env(ndtrain::run::faults::DEVICE_PATH_ENV, "1");
     }
     let o = cmd.output().unwrap();
     assert!(o.status.success(), "{name}: {}", text(&o));

@@ -1,26 +1,39 @@
 //! The boundary between the model's maths and the hardware that runs it.
 //!
-//! [`Backend`] is every operation a decoder step needs — buffers and copies, the linear layers'
-//! GEMMs, the fused elementwise and row kernels, attention, the cross entropy, the optimiser's
-//! update and the gradient norm — on the backend's own buffers. The model (`model::Model`) and
-//! the one-device training loop (`train_device`) are written once against it; [`Cpu`] runs them
-//! on the host with the kernels of `model::kernels`, `model::attention` and `real`, and the CUDA
-//! backend (`gpu::backend`, feature `cuda`) on an NVIDIA GPU with cuBLAS and NVRTC-compiled
-//! kernels. Each operation's contract is the CPU kernel it names: `ndtrain gpu-check` runs every
-//! operation on both backends with the same inputs and compares.
+//! [`Backend`] is every operation a training step needs — buffers and copies, the linear
+//! layers' GEMMs, the fused elementwise and row kernels, attention, the cross entropy, the
+//! optimiser's update and the gradient norm — on the backend's own buffers. The model
+//! (`model::Model`), the parallel strategies (`parallel`) and the training loop (`train`) are
+//! written once against it. `cpu::Cpu` runs them on the host with the kernels of `cpu`; the
+//! CUDA backend (`cuda::backend`, feature `cuda`) on an NVIDIA GPU with cuBLAS and
+//! NVRTC-compiled kernels. Each operation's contract is the host kernel it names: `ndtrain
+//! gpu-check` runs every operation on both backends with the same inputs and compares.
 //!
-//! Buffers are whole tensors (no views): a layout that needs two halves keeps two buffers.
-//! Operations panic on a backend failure (a GPU fault), which aborts the MPI job with the
-//! message; what can be checked before the first step is checked there.
+//! Buffers are whole tensors; the operations on parts of a buffer (`*_range`, the optimiser's
+//! update of one tensor inside a shard) take element ranges. Operations panic on a backend
+//! failure (a GPU fault), which aborts the MPI job with the message; what can be checked before
+//! the first step is checked there. Knows nothing of what the tensors mean or of communication.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
-pub use cpu::Cpu;
-
-use crate::model::attention::AttnDims;
-use crate::real::Real;
+use crate::scalar::Real;
+use std::ops::Range;
 
 pub use crate::config::Precision;
+
+/// Sizes of one attention call. Tensors are head-major: `q [B, H, Sq, hd]`, `k, v [B, KV, Sk,
+/// hd]`; query head `h` reads kv head `h / (H/KV)`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    pub b: usize,
+    pub h: usize,
+    pub kv: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub hd: usize,
+}
 
 /// The coefficients of one AdamW update, PyTorch's semantics (`optim::AdamW`): for each
 /// element, `p ← p·decay`, `m ← b1·m + (1−b1)·g`, `v ← b2·v + (1−b2)·g²`,
@@ -68,6 +81,9 @@ pub trait Backend<T: Real> {
     // ---- memory --------------------------------------------------------------------------
     fn zeros(&self, n: usize) -> Self::Buf;
     fn len(&self, b: &Self::Buf) -> usize;
+    /// The buffer holds `n` elements afterwards, the first `min(n, old length)` kept and the
+    /// rest zero. A scratch resized between a few lengths keeps its allocation on the host.
+    fn resize(&self, b: &mut Self::Buf, n: usize);
     /// `dst` becomes a copy of `host` (reallocated when the length differs).
     fn upload(&self, dst: &mut Self::Buf, host: &[T]);
     /// `host = src`; the lengths agree.
@@ -75,10 +91,20 @@ pub trait Backend<T: Real> {
     /// `dst = src`; the lengths agree.
     fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf);
     fn fill(&self, dst: &mut Self::Buf, x: T);
+    /// `dst[at .. at + len] = src[from]` (`len` = the range's length).
+    fn copy_range(&self, dst: &mut Self::Buf, at: usize, src: &Self::Buf, from: Range<usize>);
+    /// `dst[at .. at + len] += src[from]`, elementwise.
+    fn add_range(&self, dst: &mut Self::Buf, at: usize, src: &Self::Buf, from: Range<usize>);
+    /// `dst[range] = x`.
+    fn fill_range(&self, dst: &mut Self::Buf, range: Range<usize>, x: T);
+    /// The buffer's elements where they live in host memory (the host backend); `None` for
+    /// device memory, which [`with_host`] and [`with_host_mut`] stage through copies.
+    fn host<'b>(&self, b: &'b Self::Buf) -> Option<&'b [T]>;
+    fn host_mut<'b>(&self, b: &'b mut Self::Buf) -> Option<&'b mut [T]>;
     fn set_ids(&self, dst: &mut Self::Ids, host: &[u32]);
     fn set_positions(&self, dst: &mut Self::Pos, host: &[usize]);
 
-    // ---- linear layers (`real::linear_*`) ------------------------------------------------
+    // ---- linear layers (`cpu::gemm::linear_*`) -------------------------------------------
     /// `y [m, n] (=|+=) x [m, k] · wᵀ`, `w [n, k]`.
     fn linear_fwd(&self, y: &mut Self::Buf, x: &Self::Buf, w: &Self::Buf, m: usize, n: usize, k: usize, acc: bool);
     /// `dx [m, k] (=|+=) dy [m, n] · w`, `w [n, k]`.
@@ -121,7 +147,7 @@ pub trait Backend<T: Real> {
         self.linear_bwd_input(dx, dy, w, m, n, k, acc_dx);
     }
 
-    // ---- elementwise and row kernels (`model::kernels`) ----------------------------------
+    // ---- elementwise and row kernels (`cpu::kernels`) ------------------------------------
     /// `y = x / sqrt(mean(x²) + eps) · w` per row of `d`; `rstd =` the row's `1/sqrt(…)`.
     fn rmsnorm_fwd(&self, y: &mut Self::Buf, rstd: &mut Self::Buf, x: &Self::Buf, w: &Self::Buf, d: usize, eps: f64);
     /// `dx (=|+=)`, `dw +=`.
@@ -185,7 +211,7 @@ pub trait Backend<T: Real> {
     /// In place: `logits = scale · (softmax − onehot)`, padding columns 0.
     fn ce_bwd_inplace(&self, logits: &mut Self::Buf, lse: &Self::Buf, targets: &Self::Ids, v: usize, offset: usize, valid: usize, scale: T);
 
-    // ---- attention (`model::attention`) --------------------------------------------------
+    // ---- attention (`cpu::attention`) ----------------------------------------------------
     /// `o [B, H, Sq, hd] =`, `lse [B, H, Sq] =`; causal by global position.
     fn attention_fwd(
         &self,
@@ -218,10 +244,50 @@ pub trait Backend<T: Real> {
     fn attention_merge(&self, o: &mut Self::Buf, lse: &mut Self::Buf, o_part: &Self::Buf, lse_part: &Self::Buf, hd: usize);
 
     // ---- optimiser -----------------------------------------------------------------------
-    /// `Σ x²` in f64.
-    fn sum_sq(&self, x: &Self::Buf) -> f64;
+    /// `Σ x²` over `x[range]`, in f64.
+    fn sum_sq(&self, x: &Self::Buf, range: Range<usize>) -> f64;
     /// `x *= c`.
     fn scale(&self, x: &mut Self::Buf, c: T);
-    /// One AdamW update of one tensor.
-    fn adamw(&self, p: &mut Self::Buf, m: &mut Self::Buf, v: &mut Self::Buf, g: &Self::Buf, step: &AdamStep);
+    /// One AdamW update of one tensor: the elements `range` of the parameters `p`, the moments
+    /// `m`, `v` and the gradient `g` (a tensor's place in a shard holding several).
+    fn adamw(&self, p: &mut Self::Buf, m: &mut Self::Buf, v: &mut Self::Buf, g: &Self::Buf, range: Range<usize>, step: &AdamStep);
+}
+
+/// Runs `f` on host slices of `bufs`: the buffers themselves on the host backend, else copies
+/// downloaded for it (for reading a model state out of device memory: checkpoints, exports).
+pub fn with_host<T: Real, B: Backend<T>, R>(be: &B, bufs: &[&B::Buf], f: impl FnOnce(Vec<&[T]>) -> R) -> R {
+    if let Some(direct) = bufs.iter().map(|b| be.host(b)).collect::<Option<Vec<_>>>() {
+        return f(direct);
+    }
+    let staged: Vec<Vec<T>> = bufs
+        .iter()
+        .map(|b| {
+            let mut v = vec![T::ZERO; be.len(b)];
+            be.download(b, &mut v);
+            v
+        })
+        .collect();
+    f(staged.iter().map(|v| v.as_slice()).collect())
+}
+
+/// Runs `f` on mutable host slices of `bufs`: the buffers themselves on the host backend, else
+/// copies that are downloaded before and uploaded after (loading a model state into device
+/// memory: initialisation, checkpoints, Hugging Face imports).
+pub fn with_host_mut<T: Real, B: Backend<T>, R>(be: &B, mut bufs: Vec<&mut B::Buf>, f: impl FnOnce(Vec<&mut [T]>) -> R) -> R {
+    if bufs.iter_mut().all(|b| be.host_mut(b).is_some()) {
+        return f(bufs.into_iter().map(|b| be.host_mut(b).expect("host memory")).collect());
+    }
+    let mut staged: Vec<Vec<T>> = bufs
+        .iter()
+        .map(|b| {
+            let mut v = vec![T::ZERO; be.len(b)];
+            be.download(b, &mut v);
+            v
+        })
+        .collect();
+    let r = f(staged.iter_mut().map(|v| v.as_mut_slice()).collect());
+    for (b, v) in bufs.into_iter().zip(&staged) {
+        be.upload(b, v);
+    }
+    r
 }

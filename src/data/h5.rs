@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use super::{sample_range, samples_in, DataError, TokenSource};
-use crate::hdf5io::TokenDataset;
+use crate::io::hdf5::TokenDataset;
 
 pub struct Hdf5Source {
     ds: TokenDataset,

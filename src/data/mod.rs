@@ -37,8 +37,8 @@ impl fmt::Display for DataError {
 
 impl std::error::Error for DataError {}
 
-impl From<crate::hdf5io::Hdf5Error> for DataError {
-    fn from(e: crate::hdf5io::Hdf5Error) -> Self {
+impl From<crate::io::hdf5::Hdf5Error> for DataError {
+    fn from(e: crate::io::hdf5::Hdf5Error) -> Self {
         DataError(e.0)
     }
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use super::bin::write_bin;
 use super::DataError;
-use crate::hdf5io::{write_tokens, TokenSlice};
+use crate::io::hdf5::{write_tokens, TokenSlice};
 
 /// The text is tokenized in blocks of at least this many bytes, each ending at a line break, so
 /// memory stays bounded on large files. Pre-tokenizers split at whitespace, so a block boundary

@@ -12,8 +12,8 @@
 //! `_local` = divided by the tp degree.
 
 use crate::config::ModelCfg;
-use crate::real::Real;
 use crate::rng;
+use crate::scalar::Real;
 
 /// The weights of one decoder block, in any container `V`: host vectors (`LayerParams<T>`) or
 /// a backend's buffers.
@@ -245,40 +245,31 @@ pub fn init_value(seed: u64, spec: &ParamSpec, n_layers: usize, local: u64) -> f
 }
 
 impl<T: Real> LayerParams<T> {
-    /// A block with no storage (a placeholder while a buffer is lent out).
-    pub fn empty() -> Self {
-        LayerParams {
-            input_layernorm: vec![],
-            q_proj: vec![],
-            k_proj: vec![],
-            v_proj: vec![],
-            o_proj: vec![],
-            post_attention_layernorm: vec![],
-            gate_proj: vec![],
-            up_proj: vec![],
-            down_proj: vec![],
-        }
-    }
-
     /// A block of this rank's shapes, all zero.
     pub fn zeros(m: &Dims) -> Self {
-        let (d, f) = (m.d, m.ffn);
-        let (q, kv) = (m.heads * m.hd, m.kv_heads * m.hd);
-        LayerParams {
-            input_layernorm: vec![T::ZERO; d],
-            q_proj: vec![T::ZERO; q * d],
-            k_proj: vec![T::ZERO; kv * d],
-            v_proj: vec![T::ZERO; kv * d],
-            o_proj: vec![T::ZERO; d * q],
-            post_attention_layernorm: vec![T::ZERO; d],
-            gate_proj: vec![T::ZERO; f * d],
-            up_proj: vec![T::ZERO; f * d],
-            down_proj: vec![T::ZERO; d * f],
-        }
+        Layer::alloc(m, |n| vec![T::ZERO; n])
     }
 }
 
 impl<V> Layer<V> {
+    /// A block of this rank's shapes, each tensor from `alloc(elements)` (host vectors, or a
+    /// backend's buffers).
+    pub fn alloc(m: &Dims, mut alloc: impl FnMut(usize) -> V) -> Self {
+        let (d, f) = (m.d, m.ffn);
+        let (q, kv) = (m.heads * m.hd, m.kv_heads * m.hd);
+        Layer {
+            input_layernorm: alloc(d),
+            q_proj: alloc(q * d),
+            k_proj: alloc(kv * d),
+            v_proj: alloc(kv * d),
+            o_proj: alloc(d * q),
+            post_attention_layernorm: alloc(d),
+            gate_proj: alloc(f * d),
+            up_proj: alloc(f * d),
+            down_proj: alloc(d * f),
+        }
+    }
+
     /// The block's tensors in `param_specs` order.
     pub fn tensors(&self) -> [&V; 9] {
         [
@@ -325,6 +316,18 @@ impl<V> Layer<V> {
 }
 
 impl<V> Params<V> {
+    /// This rank's tensors (`m.layers` blocks), each from `alloc(elements)` (host vectors, or
+    /// a backend's buffers).
+    pub fn alloc(m: &Dims, mut alloc: impl FnMut(usize) -> V) -> Self {
+        let (v, d) = (m.vocab, m.d);
+        Params {
+            embed_tokens: alloc(v * d),
+            layers: (0..m.layers).map(|_| Layer::alloc(m, &mut alloc)).collect(),
+            norm: alloc(d),
+            lm_head: if m.tie { None } else { Some(alloc(v * d)) },
+        }
+    }
+
     /// Every tensor in `param_specs` order.
     pub fn tensors(&self) -> Vec<&V> {
         let mut out = vec![&self.embed_tokens];
@@ -375,16 +378,10 @@ impl<T: Real> ModelParams<T> {
 
     /// All tensors zero, in this rank's (TP-local) shapes.
     pub fn zeros_local(m: &Dims) -> Self {
-        let (v, d) = (m.vocab, m.d);
-        ModelParams {
-            embed_tokens: vec![T::ZERO; v * d],
-            layers: (0..m.layers).map(|_| LayerParams::zeros(m)).collect(),
-            norm: vec![T::ZERO; d],
-            lm_head: if m.tie { None } else { Some(vec![T::ZERO; v * d]) },
-        }
+        Params::alloc(m, |n| vec![T::ZERO; n])
     }
 
-    /// The seeded, layout-independent initial model of DESIGN.md.
+    /// The seeded, layout-independent initial model (`docs/model.md`).
     pub fn init(cfg: &ModelCfg, seed: u64) -> Self {
         Self::init_local(&Dims::full(cfg), seed)
     }

@@ -130,7 +130,7 @@ pub fn run_layout(dir: &Path, name: &str, ranks: usize, layout: &[&str]) -> RunR
     let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();
     assert_bytes_match_formula(dir, name, &deck, ranks);
-    let params = ndtrain::hf::load_params::<f32>(&export, &deck.model).expect("exported model loads");
+    let params = ndtrain::io::hf::load_params::<f32>(&export, &deck.model).expect("exported model loads");
     (losses, params)
 }
 

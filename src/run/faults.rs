@@ -21,13 +21,14 @@ pub fn step_delay() -> Result<Option<Duration>, String> {
     }
 }
 
-/// Set (to anything but `0`): a one-rank run on the host trains through the one-device loop
-/// (`train_device`, the GPU path's loop) instead of the main one, so a test can hold that loop
-/// to the main loop's losses without a GPU.
-pub const DEVICE_LOOP_ENV: &str = "NDTRAIN_DEBUG_DEVICE_LOOP";
+/// Runs the training loop on the host as it runs on a device: the host backend's buffers are
+/// treated as device memory (every host access — initialisation, loading, checkpoints, checks —
+/// is staged through copies) and the strategies use a lone device's collectives. One rank. A
+/// test holds this path, which a GPU runs, to the host's own without a GPU.
+pub const DEVICE_PATH_ENV: &str = "NDTRAIN_DEBUG_DEVICE_PATH";
 
-pub fn device_loop() -> bool {
-    std::env::var(DEVICE_LOOP_ENV).is_ok_and(|v| v != "0")
+pub fn device_path() -> bool {
+    std::env::var(DEVICE_PATH_ENV).is_ok_and(|v| v != "0")
 }
 
 /// When writing the checkpoint of this step, world rank 0 aborts the job (`MPI_Abort`) after

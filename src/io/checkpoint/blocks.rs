@@ -7,8 +7,8 @@
 //! per element (of its index and bits), so any partition of the tensor into blocks sums to the
 //! same value: writers and readers on different layouts agree without gathering anything.
 
-use crate::fsdp::ShardPlan;
 use crate::model::params::{param_specs_local, Dims, TpSplit};
+use crate::parallel::fsdp::ShardPlan;
 use rayon::prelude::*;
 
 /// One rank's shard of one tensor as a block of the logical tensor. The shard's first

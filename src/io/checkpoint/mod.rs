@@ -15,9 +15,9 @@
 pub mod blocks;
 pub mod tools;
 
-use crate::comm::Group;
 use crate::config::{Deck, ModelCfg};
-use crate::hdf5io::{H5File, IoMode};
+use crate::io::hdf5::{H5File, IoMode};
+use crate::parallel::comm::Group;
 use crate::say;
 use blocks::{block_checksum, ShardBlock};
 use serde::{Deserialize, Serialize};
@@ -147,6 +147,17 @@ pub struct SaveReport {
     pub collective: bool,
 }
 
+/// What a checkpoint write is told from outside: whom to report progress to, and the debug
+/// faults a test injects (`docs/debugging.md`).
+pub struct WriteControl<'a> {
+    /// Called before each tensor is written (the watchdog's beat), with what is being written.
+    pub progress: &'a dyn Fn(&str),
+    /// Abort the whole job in the middle of this write: `(the debug option, its value)`.
+    pub abort: Option<(&'a str, u64)>,
+    /// This rank's write fails with this message.
+    pub fail: Option<String>,
+}
+
 /// Writes the checkpoint of `meta.step` into `dir` on every rank of `world`. `state[k][i]` is
 /// this rank's shard of kind `KINDS[k]` for block `blocks[i]`. Keeps the newest `keep`
 /// checkpoints (0 = all). Returns an error on every rank if any rank failed; the previous
@@ -158,6 +169,7 @@ pub fn save(
     blocks: &[ShardBlock],
     state: [&[&[f32]]; 3],
     world: &Group,
+    control: WriteControl<'_>,
 ) -> Result<SaveReport, String> {
     let start = Instant::now();
     let rank0 = world.rank() == 0;
@@ -190,26 +202,19 @@ pub fn save(
     for g in ["model", "optim", "optim/exp_avg", "optim/exp_avg_sq"] {
         note(file.create_group(g).map_err(|e| e.to_string()));
     }
-    let abort_at = crate::debug::abort_during_checkpoint();
-    let io_error = crate::debug::fault(crate::debug::CHECKPOINT_WRITE_ERROR_ENV).unwrap_or(None);
-    if crate::debug::fires(&io_error, world.rank(), meta.step) {
-        note(Err(format!("rank {}: injected write error ({})", world.rank(), crate::debug::CHECKPOINT_WRITE_ERROR_ENV)));
+    if let Some(e) = control.fail {
+        note(Err(e));
     }
     let mut collective = true;
     let mut bytes = 0u64;
     for (k, kind) in KINDS.iter().enumerate() {
         for (i, b) in blocks.iter().enumerate() {
-            if abort_at == Some(meta.step) && k == 1 && i == 0 && rank0 {
-                crate::say!(
-                    "{}={}: aborting the job in the middle of writing {}",
-                    crate::debug::ABORT_DURING_CHECKPOINT_ENV,
-                    meta.step,
-                    tmp.display()
-                );
-                crate::comm::abort(crate::cli::EXIT_RUN_FAILED);
+            if let Some((option, step)) = control.abort.filter(|&(_, s)| s == meta.step && k == 1 && i == 0 && rank0) {
+                say!("{option}={step}: aborting the job in the middle of writing {}", tmp.display());
+                crate::parallel::comm::abort(crate::exit::RUN_FAILED);
             }
             bytes += 4 * b.global_shape.iter().product::<usize>() as u64;
-            crate::watchdog::beat(|| format!("writing checkpoint step {}: {kind}/{}", meta.step, b.name));
+            (control.progress)(&format!("writing checkpoint step {}: {kind}/{}", meta.step, b.name));
             let path = format!("{kind}/{}", b.name);
             match file.create_f32(&path, &b.global_shape) {
                 Ok(ds) => {

@@ -10,10 +10,10 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::checkpoint as ckpt;
 use crate::config::Resolved;
 use crate::data::{open_source, Loader};
-use crate::mesh::Coords;
+use crate::io::checkpoint as ckpt;
+use crate::parallel::mesh::Coords;
 
 /// The checks of one rank; the first failure's message.
 pub fn check(res: &Resolved, world_rank: usize, out_dir: &Path) -> Result<(), String> {
@@ -28,7 +28,7 @@ pub fn check(res: &Resolved, world_rank: usize, out_dir: &Path) -> Result<(), St
     }
     let start_step = resume_point(res)?;
     if !deck.checkpoint.init_from.is_empty() && start_step.is_none() {
-        crate::hf::SliceReader::open(Path::new(&deck.checkpoint.init_from), &deck.model).map_err(|e| e.to_string())?;
+        crate::io::hf::SliceReader::open(Path::new(&deck.checkpoint.init_from), &deck.model).map_err(|e| e.to_string())?;
     }
     first_samples(res, world_rank, start_step.unwrap_or(0))
 }

@@ -1,29 +1,93 @@
-//! Tensor parallelism over the `tp` group: the collectives the model calls, and moving whole
-//! (Hugging Face) tensors to and from the TP-local pieces of `model::params::Dims`.
+//! Tensor parallelism over the `tp` group: Megatron's block boundaries as the model's
+//! [`TensorParallel`] hooks (with or without sequence parallelism), moving whole (Hugging Face)
+//! tensors to and from the TP-local pieces of `model::params::Dims`, and the `tp` byte formula.
 //!
-//! The model itself holds the Megatron-style layout (column-parallel `q, k, v, gate, up`,
-//! row-parallel `o, down`, vocab-parallel embedding and cross entropy) and calls `TpComm` at
-//! each boundary; this module gives it the `tp` group. Knows nothing of data or context
+//! Which piece of each tensor a tp rank holds is `model::params` (column-parallel `q, k, v,
+//! gate, up` and the vocabulary split by rows, row-parallel `o, down` by columns, norms
+//! replicated). At each boundary the model calls a hook; this module realises it on the `tp`
+//! group. Without sequence parallelism every tp rank holds all `N` rows of the residual
+//! stream: a column-parallel projection reads them as they are, and a row-parallel
+//! projection's partial output is all-reduced. With it a rank holds `N/tp` rows: they are
+//! all-gathered before a column-parallel projection and the partial output is reduce-scattered
+//! back (each is the other's backward conjugate). Knows nothing of data or context
 //! parallelism.
 
-use crate::comm::Group;
+use super::collective::Collective;
+use super::comm::Group;
 use crate::config::ModelCfg;
+use crate::model::hooks::TensorParallel;
 use crate::model::params::{param_specs_local, Dims, ModelParams};
-use crate::model::TpComm;
+use crate::model::Rows;
 use std::collections::BTreeMap;
 
-impl TpComm<Vec<f32>> for Group {
-    fn all_reduce_sum(&self, buf: &mut Vec<f32>) {
-        self.all_reduce_sum_f32(buf);
+/// Rows of the residual stream of `n` tokens on a tp rank (`N_local`), and of the gather
+/// scratch: all `n` without sequence parallelism; `n / tp` with it, gathered to `n`.
+pub fn residual_rows(n: usize, tp: usize, sequence_parallel: bool) -> Rows {
+    if sequence_parallel {
+        assert!(n % tp == 0, "sequence parallelism needs B·S ({n}) divisible by tp ({tp})");
+        Rows { local: n / tp, gathered: n }
+    } else {
+        Rows { local: n, gathered: 0 }
     }
-    fn all_reduce_max(&self, buf: &mut Vec<f32>) {
-        self.all_reduce_max_f32(buf);
+}
+
+/// Megatron-style tensor parallelism over one `tp` group, optionally with sequence
+/// parallelism: the model's [`TensorParallel`] hooks.
+pub struct Megatron<'a, V> {
+    pub group: &'a dyn Collective<V>,
+    pub sequence_parallel: bool,
+}
+
+impl<V> TensorParallel<V> for Megatron<'_, V> {
+    fn local_rows(&self, n: usize) -> usize {
+        residual_rows(n, self.group.degree(), self.sequence_parallel).local
     }
-    fn all_gather(&self, send: &Vec<f32>, recv: &mut Vec<f32>) {
-        self.all_gather_f32(send, recv);
+
+    fn gathered_rows(&self, n: usize) -> usize {
+        residual_rows(n, self.group.degree(), self.sequence_parallel).gathered
     }
-    fn reduce_scatter_sum(&self, send: &Vec<f32>, recv: &mut Vec<f32>) {
-        self.reduce_scatter_sum_f32(send, recv);
+
+    fn gather<'b>(&self, local: &'b V, full: &'b mut V) -> &'b V {
+        if self.sequence_parallel {
+            self.group.all_gather(local, full);
+            full
+        } else {
+            local
+        }
+    }
+
+    fn gathered<'b>(&self, local: &'b V, full: &'b V) -> &'b V {
+        if self.sequence_parallel {
+            full
+        } else {
+            local
+        }
+    }
+
+    fn partial<'b>(&self, local: &'b mut V, full: &'b mut V) -> &'b mut V {
+        if self.sequence_parallel {
+            full
+        } else {
+            local
+        }
+    }
+
+    /// Reduce-scatter under sequence parallelism (conjugate: all-gather), all-reduce without
+    /// (conjugate: identity).
+    fn finish(&self, local: &mut V, full: &V) {
+        if self.sequence_parallel {
+            self.group.reduce_scatter_sum(full, local);
+        } else {
+            self.group.all_reduce_sum(local);
+        }
+    }
+
+    fn vocab_max(&self, buf: &mut V) {
+        self.group.all_reduce_max(buf);
+    }
+
+    fn vocab_sum(&self, buf: &mut V) {
+        self.group.all_reduce_sum(buf);
     }
 }
 

@@ -120,10 +120,10 @@ pub fn inspect(path: &Path) -> Result<String, LoadError> {
 pub fn export_hf(path: &Path, dir: &Path) -> Result<(), String> {
     let r = Reader::open_serial(path).map_err(|e| e.to_string())?;
     let specs = param_specs(&r.meta.model);
-    crate::hf::write_model(dir, &r.meta.model, |i, buf| {
+    crate::io::hf::write_model(dir, &r.meta.model, |i, buf| {
         let spec = &specs[i];
         let ds_path = format!("model/{}", spec.name);
-        let fail = |m: String| crate::hf::HfError(format!("checkpoint {}: tensor {ds_path}: {m}", path.display()));
+        let fail = |m: String| crate::io::hf::HfError(format!("checkpoint {}: tensor {ds_path}: {m}", path.display()));
         let ds = r.file().dataset(&ds_path).map_err(|e| fail(e.to_string()))?;
         let start = vec![0; spec.shape.len()];
         buf.resize(spec.numel(), 0.0);
@@ -141,7 +141,7 @@ pub fn export_hf(path: &Path, dir: &Path) -> Result<(), String> {
 
 /// A whole dataset of a checkpoint, e.g. `model/model.norm.weight` (tests, small tensors).
 pub fn read_tensor(path: &Path, dataset: &str) -> Result<(Vec<usize>, Vec<f32>), String> {
-    let file = crate::hdf5io::H5File::open_serial(path).map_err(|e| e.to_string())?;
+    let file = crate::io::hdf5::H5File::open_serial(path).map_err(|e| e.to_string())?;
     let ds = file.dataset(dataset).map_err(|e| e.to_string())?;
     let shape = ds.shape();
     let mut out = vec![0.0; shape.iter().product()];
@@ -151,7 +151,7 @@ pub fn read_tensor(path: &Path, dataset: &str) -> Result<(Vec<usize>, Vec<f32>),
 
 /// Every dataset path of a checkpoint (`model/...`, `optim/exp_avg/...`, `optim/exp_avg_sq/...`).
 pub fn dataset_paths(path: &Path) -> Result<Vec<String>, String> {
-    let file = crate::hdf5io::H5File::open_serial(path).map_err(|e| e.to_string())?;
+    let file = crate::io::hdf5::H5File::open_serial(path).map_err(|e| e.to_string())?;
     let mut out = vec![];
     for kind in KINDS {
         out.extend(file.members(kind).map_err(|e| e.to_string())?.into_iter().map(|n| format!("{kind}/{n}")));
@@ -161,6 +161,6 @@ pub fn dataset_paths(path: &Path) -> Result<Vec<String>, String> {
 
 /// Where a dataset's contiguous data starts in the file (the tests corrupt bytes there).
 pub fn dataset_offset(path: &Path, dataset: &str) -> Result<u64, String> {
-    let file = crate::hdf5io::H5File::open_serial(path).map_err(|e| e.to_string())?;
+    let file = crate::io::hdf5::H5File::open_serial(path).map_err(|e| e.to_string())?;
     file.dataset(dataset).map_err(|e| e.to_string())?.file_offset().ok_or_else(|| format!("{dataset} has no contiguous data"))
 }

@@ -4,7 +4,7 @@
 //! `hd` head dim. Every backward says whether it overwrites (`=`) or accumulates (`+=`).
 //! Knows nothing of layers, parameters or parallelism.
 
-use crate::real::{max_lanes, sum_lanes_by, Real};
+use crate::scalar::{max_lanes, sum_lanes_by, Real};
 use rayon::prelude::*;
 
 /// Rows per parallel task: big enough that scheduling costs nothing next to the row work.
@@ -80,25 +80,6 @@ fn dot3<T: Real>(a: &[T], b: &[T], c: &[T]) -> T {
         }
     }
     acc.iter().fold(tail, |s, &x| s + x)
-}
-
-/// RoPE tables for the given global positions: `cos, sin [S, hd/2]`, Hugging Face convention
-/// `inv_freq_i = theta^(−2i/hd)`, angle `pos · inv_freq_i` (computed in f64, then rounded).
-pub fn rope_tables<T: Real>(positions: &[usize], hd: usize, theta: f64) -> (Vec<T>, Vec<T>) {
-    let half = hd / 2;
-    let mut cos = Vec::with_capacity(positions.len() * half);
-    let mut sin = Vec::with_capacity(positions.len() * half);
-    for &p in positions {
-        for i in 0..half {
-            // Hugging Face computes inv_freq in f32 (`1.0 / base ** (arange(0, hd, 2).float() / hd)`);
-            // reproduce its rounding so the frequencies agree bit for bit (up to f32 pow).
-            let inv_freq = (1.0f32 / theta.powf(((2 * i) as f32 / hd as f32) as f64) as f32) as f64;
-            let angle = p as f64 * inv_freq;
-            cos.push(T::from_f64(angle.cos()));
-            sin.push(T::from_f64(angle.sin()));
-        }
-    }
-    (cos, sin)
 }
 
 /// Token-major `[B, S, nh·hd]` → head-major `[B, nh, S, hd]`, rotating by RoPE on the way

@@ -1,6 +1,6 @@
 //! Preemption: SIGTERM or SIGUSR1 (what Slurm sends before a time limit with `--signal`, and
 //! what `scancel` sends) only sets a flag; the training loop agrees on it across ranks at the
-//! next step boundary, writes a checkpoint and exits with [`crate::cli::EXIT_PREEMPTED`].
+//! next step boundary, writes a checkpoint and exits with [`crate::exit::PREEMPTED`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -3,21 +3,44 @@
 //! The only module that touches `mpi::`. A `Group` wraps one communicator of the mesh and
 //! records, per collective kind, how many calls, bytes and seconds it spent, so logs and tests
 //! read measured volumes. A group of size 1 returns at once from every collective: call sites
-//! never special-case a degree of 1. Knows nothing of the model or of what the buffers mean.
+//! never special-case a degree of 1. Non-blocking collectives own their buffers until they
+//! complete: `start_*` hands them over and returns a [`Ticket`], `wait` gives them back. While a
+//! rank blocks in a collective, [`in_collective`] says so (the watchdog reads it). Knows
+//! nothing of the model, of what the buffers mean, or of who watches it.
 
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::datatype::Equivalence;
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
+
+/// An MPI communicator handle, for the libraries that take one (parallel HDF5's MPI-IO driver).
+pub type RawComm = ffi::MPI_Comm;
 
 /// Non-blocking operations of this process not yet known to be complete.
 static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+/// The calling thread is blocked in a collective, waiting for the other ranks.
+static IN_COLLECTIVE: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process is blocked in a collective right now: a rank waiting there is usually
+/// waiting for a rank that is stuck elsewhere (read by the watchdog to name the right rank).
+pub fn in_collective() -> bool {
+    IN_COLLECTIVE.load(Ordering::Relaxed)
+}
+
+/// Runs a blocking collective with [`in_collective`] set.
+fn waiting<R>(f: impl FnOnce() -> R) -> R {
+    IN_COLLECTIVE.store(true, Ordering::Relaxed);
+    let r = f();
+    IN_COLLECTIVE.store(false, Ordering::Relaxed);
+    r
+}
 
 /// Lets MPI move every non-blocking operation in flight, without blocking. MPI progresses them
 /// only inside MPI calls (Open MPI's shared-memory transfers and its non-blocking collectives'
@@ -85,14 +108,18 @@ fn install_abort_on_panic() {
             default(info);
         }
         if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
-            abort(1);
+            abort(crate::exit::RUN_FAILED);
         }
     }));
 }
 
+/// A non-blocking collective started on a [`Group`], to be completed by `Group::wait`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Ticket(pub(super) u64);
+
 /// A non-blocking collective in flight. It owns its buffers, so nothing can read or write
 /// them before it completes; dropping it waits for completion.
-pub struct Pending {
+struct Pending {
     request: ffi::MPI_Request,
     /// A second request (the receive of a point-to-point exchange), or MPI_REQUEST_NULL.
     request2: ffi::MPI_Request,
@@ -162,6 +189,9 @@ pub struct Group {
     ring: RefCell<BTreeMap<usize, Pending>>,
     /// Buffers of finished ring exchanges, reused by the next ones (no allocation per shift).
     ring_spare: RefCell<Vec<Vec<f32>>>,
+    /// Non-blocking collectives in flight, by ticket.
+    in_flight: RefCell<BTreeMap<u64, Pending>>,
+    next_ticket: Cell<u64>,
     /// The send side of blocking in-place all-reduces (grows to the largest, then reused).
     reduce_scratch: RefCell<Vec<u64>>,
 }
@@ -177,6 +207,8 @@ impl Group {
             counts: RefCell::new(BTreeMap::new()),
             ring: RefCell::new(BTreeMap::new()),
             ring_spare: RefCell::new(vec![]),
+            in_flight: RefCell::new(BTreeMap::new()),
+            next_ticket: Cell::new(0),
             reduce_scratch: RefCell::new(vec![]),
         }
     }
@@ -237,7 +269,7 @@ impl Group {
         // T (asserted), and every element is written by copy_from_slice before it is read.
         let send = unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut T, buf.len()) };
         send.copy_from_slice(buf);
-        crate::watchdog::waiting(|| self.comm.all_reduce_into(&send[..], buf, op));
+        waiting(|| self.comm.all_reduce_into(&send[..], buf, op));
         self.record("all_reduce", std::mem::size_of_val(buf), start);
     }
 
@@ -270,7 +302,7 @@ impl Group {
             return;
         }
         let start = Instant::now();
-        crate::watchdog::waiting(|| self.comm.all_gather_into(send, recv));
+        waiting(|| self.comm.all_gather_into(send, recv));
         self.record("all_gather", std::mem::size_of_val(recv), start);
     }
 
@@ -283,18 +315,18 @@ impl Group {
             return;
         }
         let start = Instant::now();
-        crate::watchdog::waiting(|| self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum()));
+        waiting(|| self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum()));
         self.record("reduce_scatter", std::mem::size_of_val(send), start);
     }
 
     /// Starts a non-blocking all-gather of `send` into `recv` (`[size][send.len()]`). The
     /// buffers move into the returned [`Pending`] and come back from [`Group::wait`].
-    pub fn start_all_gather_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Pending {
+    pub fn start_all_gather_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Ticket {
         assert_eq!(recv.len(), send.len() * self.size, "all_gather: recv must hold size × send");
         let bytes = std::mem::size_of_val(&recv[..]);
         if self.size == 1 {
             recv.copy_from_slice(&send);
-            return Pending::completed("all_gather", bytes, send, recv);
+            return self.keep(Pending::completed("all_gather", bytes, send, recv));
         }
         let mut p = Pending::new("all_gather", bytes, send, recv);
         // SAFETY: the buffers are owned by `p` and not touched until the request completes
@@ -311,17 +343,17 @@ impl Group {
                 &mut p.request,
             );
         }
-        p
+        self.keep(p)
     }
 
     /// Starts a non-blocking element-wise sum of `buf` across the group; the sum comes back
     /// as the second buffer of [`Group::wait`].
-    pub fn start_all_reduce_sum_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Pending {
+    pub fn start_all_reduce_sum_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Ticket {
         assert_eq!(recv.len(), send.len(), "all_reduce: buffers differ in length");
         let bytes = std::mem::size_of_val(&send[..]);
         if self.size == 1 {
             recv.copy_from_slice(&send);
-            return Pending::completed("all_reduce", bytes, send, recv);
+            return self.keep(Pending::completed("all_reduce", bytes, send, recv));
         }
         let mut p = Pending::new("all_reduce", bytes, send, recv);
         // SAFETY: as in `start_all_gather_f32`.
@@ -336,18 +368,18 @@ impl Group {
                 &mut p.request,
             );
         }
-        p
+        self.keep(p)
     }
 
     /// Starts a non-blocking reduce-scatter: `send` (`[size][recv.len()]`) summed across the
     /// group, block `rank` into `recv`. Buffers as in [`Group::start_all_gather_f32`].
     /// Counted bytes: the input.
-    pub fn start_reduce_scatter_sum_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Pending {
+    pub fn start_reduce_scatter_sum_f32(&self, send: Vec<f32>, mut recv: Vec<f32>) -> Ticket {
         assert_eq!(send.len(), recv.len() * self.size, "reduce_scatter: send must hold size × recv");
         let bytes = std::mem::size_of_val(&send[..]);
         if self.size == 1 {
             recv.copy_from_slice(&send);
-            return Pending::completed("reduce_scatter", bytes, send, recv);
+            return self.keep(Pending::completed("reduce_scatter", bytes, send, recv));
         }
         let mut p = Pending::new("reduce_scatter", bytes, send, recv);
         // SAFETY: as in `start_all_gather_f32`.
@@ -362,11 +394,21 @@ impl Group {
                 &mut p.request,
             );
         }
-        p
+        self.keep(p)
     }
 
-    /// Lets MPI progress `p` without blocking; true once it has completed.
-    pub fn test(&self, p: &mut Pending) -> bool {
+    /// Holds `p` until [`Group::wait`] completes it.
+    fn keep(&self, p: Pending) -> Ticket {
+        let id = self.next_ticket.get();
+        self.next_ticket.set(id + 1);
+        self.in_flight.borrow_mut().insert(id, p);
+        Ticket(id)
+    }
+
+    /// Lets MPI progress the collective of `t` without blocking; true once it has completed.
+    pub fn test(&self, t: &Ticket) -> bool {
+        let mut in_flight = self.in_flight.borrow_mut();
+        let p = in_flight.get_mut(&t.0).expect("a ticket of this group, not yet waited for");
         if !p.done {
             let mut flag = 0;
             // SAFETY: `p.request` is a live request of this process.
@@ -378,11 +420,16 @@ impl Group {
         p.done
     }
 
-    /// Completes `p`, counting the time spent blocked here (the exposed part of the
-    /// collective) and its bytes; returns `(send, recv)`.
-    pub fn wait(&self, mut p: Pending) -> (Vec<f32>, Vec<f32>) {
+    /// Completes the collective of `t`, counting the time spent blocked here (the exposed part
+    /// of the collective) and its bytes; returns its buffers `(send, recv)`.
+    pub fn wait(&self, t: Ticket) -> (Vec<f32>, Vec<f32>) {
+        let p = self.in_flight.borrow_mut().remove(&t.0).expect("a ticket of this group, waited for once");
+        self.complete(p)
+    }
+
+    fn complete(&self, mut p: Pending) -> (Vec<f32>, Vec<f32>) {
         let start = Instant::now();
-        crate::watchdog::waiting(|| p.finish());
+        waiting(|| p.finish());
         if self.size > 1 {
             self.record(p.kind, p.bytes, start);
         }
@@ -440,7 +487,7 @@ impl Group {
     /// time blocked here (the exposed part) and the bytes sent.
     pub fn finish_ring_shift_f32(&self, slot: usize, out: &mut [f32]) {
         let p = self.ring.borrow_mut().remove(&slot).expect("finish_ring_shift_f32 after start_ring_shift_f32");
-        let (send, recv) = self.wait(p);
+        let (send, recv) = self.complete(p);
         out.copy_from_slice(&recv);
         self.ring_spare.borrow_mut().extend([send, recv]);
     }
@@ -459,7 +506,7 @@ impl Group {
 
     pub fn barrier(&self) {
         if self.size > 1 {
-            crate::watchdog::waiting(|| self.comm.barrier());
+            waiting(|| self.comm.barrier());
         }
     }
 
@@ -474,7 +521,7 @@ impl Group {
     pub fn agree_max_u64(&self, buf: &mut [u64]) {
         if self.size > 1 {
             let send = buf.to_vec();
-            crate::watchdog::waiting(|| self.comm.all_reduce_into(&send[..], buf, SystemOperation::max()));
+            waiting(|| self.comm.all_reduce_into(&send[..], buf, SystemOperation::max()));
         }
     }
 
@@ -485,7 +532,7 @@ impl Group {
             return mine as usize;
         }
         let mut total = 0u64;
-        crate::watchdog::waiting(|| self.comm.all_reduce_into(&mine, &mut total, SystemOperation::sum()));
+        waiting(|| self.comm.all_reduce_into(&mine, &mut total, SystemOperation::sum()));
         total as usize
     }
 
@@ -521,7 +568,7 @@ impl Group {
     }
 
     /// The MPI communicator, for libraries that take one (parallel HDF5's MPI-IO driver).
-    pub fn raw(&self) -> ffi::MPI_Comm {
+    pub fn raw(&self) -> RawComm {
         self.comm.as_raw()
     }
 }

@@ -1,21 +1,34 @@
 //! The host backend: every operation is the CPU kernel its contract names (rayon-parallel,
 //! the `gemm` crate's GEMM), on `Vec<T>`. It is the reference the GPU backend is checked
-//! against, and what training runs on by default.
+//! against, and what training runs on by default. Its kernels live beside it: `gemm` (the GEMM
+//! and the linear layers), `kernels` (norms, RoPE transposes, SwiGLU, cross entropy), `attention`
+//! (flash-style causal attention), `adamw`, and `probe` (the GEMM and memory rates of this
+//! rank's threads). A rank's threads are shared by the GEMM and rayon's pool ([`use_threads`]).
 //!
 //! With [`Precision::Bf16`] the linear layers round their operands to bf16 (nearest even)
 //! before an f32 GEMM: what the GPU's bf16 tensor-core GEMMs compute up to summation order, so
 //! a mixed-precision run has a host reference. It is slower than fp32 here (the rounded copies).
 
-use super::{AdamStep, Backend, Precision};
-use crate::model::attention::{attention_bwd, attention_fwd, merge_partial, AttnDims};
-use crate::model::kernels;
-use crate::real::{linear_bwd, linear_bwd_input, linear_bwd_weight, linear_fwd, linear_fwd_pair, Real};
-use rayon::prelude::*;
+pub mod adamw;
+pub mod attention;
+pub mod gemm;
+pub mod kernels;
+pub mod probe;
 
-/// The host. `Cpu::default()` is fp32.
+use super::{AdamStep, AttnDims, Backend, Precision};
+use crate::scalar::Real;
+use attention::{attention_bwd, attention_fwd, merge_partial};
+use gemm::{linear_bwd, linear_bwd_input, linear_bwd_weight, linear_fwd, linear_fwd_pair};
+use rayon::prelude::*;
+use std::ops::Range;
+
+/// The host. `Cpu::default()` is fp32 with its buffers in plain sight.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu {
     pub precision: Precision,
+    /// Present the buffers as device memory (`host` and `host_mut` answer `None`), so every
+    /// host access is staged through copies as on a GPU: a host test of the device path.
+    pub staged: bool,
 }
 
 /// `x` rounded to bf16 and back (nearest even; NaN stays NaN), in f32 arithmetic.
@@ -25,6 +38,23 @@ pub fn round_bf16(x: f32) -> f32 {
         return f32::from_bits((u | 0x0040_0000) & 0xffff_0000);
     }
     f32::from_bits((u.wrapping_add(0x7fff + ((u >> 16) & 1))) & 0xffff_0000)
+}
+
+/// Threads for this rank: the deck's `[run] threads`, or the node's cores shared among the
+/// node's ranks.
+pub fn threads_for_rank(requested: usize, ranks_on_node: usize) -> usize {
+    if requested > 0 {
+        return requested;
+    }
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    (cores / ranks_on_node.max(1)).max(1)
+}
+
+/// Runs the host kernels on `threads` threads: rayon's global pool and the GEMM's share. A
+/// second global pool cannot be built: a process that trains twice (tests) keeps the first.
+pub fn use_threads(threads: usize) {
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    gemm::set_gemm_threads(threads);
 }
 
 impl Cpu {
@@ -47,7 +77,7 @@ impl<T: Real> Backend<T> for Cpu {
     type Pos = Vec<usize>;
 
     fn describe(&self) -> String {
-        "cpu".into()
+        if self.staged { "cpu (staged as a device)" } else { "cpu" }.into()
     }
 
     fn precision(&self) -> Precision {
@@ -60,6 +90,10 @@ impl<T: Real> Backend<T> for Cpu {
 
     fn len(&self, b: &Vec<T>) -> usize {
         b.len()
+    }
+
+    fn resize(&self, b: &mut Vec<T>, n: usize) {
+        b.resize(n, T::ZERO);
     }
 
     fn upload(&self, dst: &mut Vec<T>, host: &[T]) {
@@ -77,6 +111,28 @@ impl<T: Real> Backend<T> for Cpu {
 
     fn fill(&self, dst: &mut Vec<T>, x: T) {
         dst.iter_mut().for_each(|d| *d = x);
+    }
+
+    fn copy_range(&self, dst: &mut Vec<T>, at: usize, src: &Vec<T>, from: Range<usize>) {
+        dst[at..at + from.len()].copy_from_slice(&src[from]);
+    }
+
+    fn add_range(&self, dst: &mut Vec<T>, at: usize, src: &Vec<T>, from: Range<usize>) {
+        for (a, &b) in dst[at..at + from.len()].iter_mut().zip(&src[from]) {
+            *a += b;
+        }
+    }
+
+    fn fill_range(&self, dst: &mut Vec<T>, range: Range<usize>, x: T) {
+        dst[range].iter_mut().for_each(|d| *d = x);
+    }
+
+    fn host<'b>(&self, b: &'b Vec<T>) -> Option<&'b [T]> {
+        (!self.staged).then_some(b.as_slice())
+    }
+
+    fn host_mut<'b>(&self, b: &'b mut Vec<T>) -> Option<&'b mut [T]> {
+        (!self.staged).then_some(b.as_mut_slice())
     }
 
     fn set_ids(&self, dst: &mut Vec<u32>, host: &[u32]) {
@@ -238,16 +294,17 @@ impl<T: Real> Backend<T> for Cpu {
         merge_partial(o, lse, o_part, lse_part, hd);
     }
 
-    fn sum_sq(&self, x: &Vec<T>) -> f64 {
-        x.iter().map(|&v| v.to_f64() * v.to_f64()).sum()
+    fn sum_sq(&self, x: &Vec<T>, range: Range<usize>) -> f64 {
+        x[range].iter().map(|&v| v.to_f64() * v.to_f64()).sum()
     }
 
     fn scale(&self, x: &mut Vec<T>, c: T) {
         x.iter_mut().for_each(|v| *v *= c);
     }
 
-    fn adamw(&self, p: &mut Vec<T>, m: &mut Vec<T>, v: &mut Vec<T>, g: &Vec<T>, step: &AdamStep) {
-        crate::optim::adamw_update(p, g, m, v, step);
+    fn adamw(&self, p: &mut Vec<T>, m: &mut Vec<T>, v: &mut Vec<T>, g: &Vec<T>, range: Range<usize>, step: &AdamStep) {
+        let r = range;
+        adamw::adamw_update(&mut p[r.clone()], &g[r.clone()], &mut m[r.clone()], &mut v[r], step);
     }
 }
 
@@ -278,7 +335,7 @@ mod tests {
         let (m, n, k) = (7, 5, 33);
         let x: Vec<f32> = (0..m * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 23.0).collect();
-        let (fp32, bf16) = (Cpu::default(), Cpu { precision: Precision::Bf16 });
+        let (fp32, bf16) = (Cpu::default(), Cpu { precision: Precision::Bf16, staged: false });
         let (mut y32, mut y16, mut yr) = (vec![0.0f32; m * n], vec![0.0f32; m * n], vec![0.0f32; m * n]);
         fp32.linear_fwd(&mut y32, &x, &w, m, n, k, false);
         bf16.linear_fwd(&mut y16, &x, &w, m, n, k, false);

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 
 use crate::config::ModelCfg;
 use crate::model::params::{param_specs, ModelParams};
-use crate::real::Real;
+use crate::scalar::Real;
 
 /// What went wrong reading or writing a Hugging Face folder; the message names the file, the
 /// key or tensor, and the numbers involved.

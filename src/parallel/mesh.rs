@@ -1,12 +1,13 @@
 //! The 4-D process mesh: `dp_replicate × dp_shard × cp × tp`, TP fastest-varying.
 //!
-//! `rank = ((r·dp_shard + s)·cp + c)·tp + t`. Builds one communicator per group of
-//! DESIGN.md with `MPI_Comm_split` (through `comm`): `tp` (ranks differing only in t), `cp`
-//! (only c), `fsdp` (s and c: FSDP shards over `dp_shard × cp`), `dp_rep` (only r) and
-//! `batch` (r and s: which samples a rank sees). Every group exists at every degree, size 1
+//! `rank = ((r·dp_shard + s)·cp + c)·tp + t`. Builds one communicator per group of the mesh
+//! (`docs/parallelism.md`) with `MPI_Comm_split` (through `comm`): `tp` (ranks differing only
+//! in t), `cp` (only c), `fsdp` (s and c: FSDP shards over `dp_shard × cp`), `dp_rep` (only r)
+//! and `batch` (r and s: which samples a rank sees). Every group exists at every degree, size 1
 //! included. Knows nothing of what is communicated.
 
-use crate::comm::Group;
+use super::collective::MeshCollectives;
+use super::comm::Group;
 use crate::config::Layout;
 
 /// A rank's coordinates in the mesh.
@@ -92,6 +93,11 @@ impl Mesh {
     pub fn groups(&self) -> [&Group; 5] {
         [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.batch]
     }
+
+    /// The groups as the strategies' collectives on host buffers.
+    pub fn host_collectives(&self) -> MeshCollectives<'_, Vec<f32>> {
+        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep }
+    }
 }
 
 #[cfg(test)]
@@ -112,10 +118,10 @@ mod tests {
         assert_eq!(Coords::of_rank(2, &l), Coords { r: 0, s: 0, c: 1, t: 0 });
     }
 
-    /// Each group has the size DESIGN.md gives, its members differ exactly in the group's
-    /// coordinates, and keys are 0..size within each colour.
+    /// Each group has the size `docs/parallelism.md` gives, its members differ exactly in the
+    /// group's coordinates, and keys are 0..size within each colour.
     #[test]
-    fn groups_have_design_sizes_and_members() {
+    fn groups_have_their_documented_sizes_and_members() {
         let l = layout();
         let sizes = [
             (GroupKind::Tp, l.tp),

@@ -9,22 +9,13 @@
 //! time live in a `[QB, Sk]` scratch: no `[S, S]` matrix is ever held.
 //! Knows nothing of projections, RoPE or parallelism.
 
-use crate::real::{dot, matmul_serial as matmul, max_lanes, sum_lanes, Mat, MatMut, Real};
+use super::gemm::{matmul_serial as matmul, Mat, MatMut};
+use crate::backend::AttnDims;
+use crate::scalar::{dot, max_lanes, sum_lanes, Real};
 use rayon::prelude::*;
 
 /// Query rows per block: the scratch is `QB × Sk` per task.
 const QB: usize = 64;
-
-/// Sizes of one attention call.
-#[derive(Clone, Copy, Debug)]
-pub struct AttnDims {
-    pub b: usize,
-    pub h: usize,
-    pub kv: usize,
-    pub sq: usize,
-    pub sk: usize,
-    pub hd: usize,
-}
 
 /// How many leading keys a block of queries can see: with ascending key positions, the keys
 /// at or before the block's last position; otherwise all (masking handles the rest).
@@ -223,21 +214,4 @@ pub fn merge_partial<T: Real>(o: &mut [T], lse: &mut [T], o_part: &[T], lse_part
             }
         },
     );
-}
-
-/// The global positions a context-parallel rank holds: the sequence of `seq_len` tokens is cut
-/// into `2·cp` chunks and rank `c` holds chunks `c` and `2·cp − 1 − c` ("zigzag"), so every
-/// rank has the same amount of causal attention work.
-pub fn zigzag_positions(seq_len: usize, cp: usize, rank: usize) -> Vec<usize> {
-    let chunk = seq_len / (2 * cp);
-    (rank * chunk..(rank + 1) * chunk).chain((2 * cp - 1 - rank) * chunk..(2 * cp - rank) * chunk).collect()
-}
-
-/// Pairs (query, key) a rank's queries may attend to against a block of keys: the causal work
-/// the block costs (counted to show the zigzag balance).
-pub fn visible_pairs(q_pos: &[usize], k_pos: &[usize]) -> u64 {
-    // Both are ascending per chunk; a merge-count keeps this O(|q| + |k|).
-    let mut ks = k_pos.to_vec();
-    ks.sort_unstable();
-    q_pos.iter().map(|&p| ks.partition_point(|&k| k <= p) as u64).sum()
 }

@@ -13,8 +13,10 @@
 //!   crate's own `write_slice` is independent I/O, so the block transfer calls `hdf5-sys`),
 //!   scalar and string attributes.
 //!
-//! It does not own what the tokens mean (`data`) nor what a checkpoint holds (`checkpoint`).
+//! It does not own what the tokens mean (`data`) nor what a checkpoint holds (`checkpoint`);
+//! the communicator of a parallel file comes from `parallel::comm` as a raw handle.
 
+use crate::parallel::comm::RawComm;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -203,9 +205,6 @@ pub fn write_tokens(path: &Path, name: &str, tokens: TokenSlice<'_>, vocab_size:
 
 // ---------------------------------------------------------------------------------------------
 // Checkpoint files.
-
-/// An MPI communicator handle as the MPI-IO driver takes it.
-pub type RawComm = mpi::ffi::MPI_Comm;
 
 /// An HDF5 file of `f32` datasets and attributes: parallel (every rank of a communicator opened
 /// it and calls every metadata operation alike, in the same order) or serial (one process).

@@ -6,11 +6,12 @@
 //! collective phase of a step, each tensor of a checkpoint write); with no watchdog running a
 //! beat does nothing. When no beat arrives
 //! for `[run] watchdog_seconds`, the thread prints which rank stalled and where, and exits the
-//! process with [`crate::cli::EXIT_RUN_FAILED`] without unwinding (`_exit`): the launcher
+//! process with [`crate::exit::RUN_FAILED`] without unwinding (`_exit`): the launcher
 //! (`mpirun`, `srun --kill-on-bad-exit`) then ends every other rank. It does not call
 //! `MPI_Abort`, which MPI only allows from the thread that initialised it. A rank blocked in a
-//! collective (waiting for a partner) allows itself twice the limit, so the rank that stalled
-//! outside any collective reports first and the message names it.
+//! collective (waiting for a partner, as `parallel::comm::in_collective` says) allows itself
+//! twice the limit, so the rank that stalled outside any collective reports first and the
+//! message names it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,19 +24,6 @@ struct Shared {
     last_ms: AtomicU64,
     what: Mutex<String>,
     stop: AtomicBool,
-}
-
-/// The training thread is blocked in a collective (set by `comm` around its blocking calls).
-static IN_COLLECTIVE: AtomicBool = AtomicBool::new(false);
-
-/// Runs a blocking collective. A rank waiting in one is usually waiting for a rank that is
-/// stuck elsewhere (in I/O, in a hang): it allows itself twice the limit, so that the stuck
-/// rank's own watchdog fires first and the message names the rank that caused the stall.
-pub fn waiting<R>(f: impl FnOnce() -> R) -> R {
-    IN_COLLECTIVE.store(true, Ordering::Relaxed);
-    let r = f();
-    IN_COLLECTIVE.store(false, Ordering::Relaxed);
-    r
 }
 
 /// The running watchdog of this process, if any: what [`beat`] reports to.
@@ -69,7 +57,9 @@ impl Watchdog {
                     std::thread::park_timeout(tick);
                     let now = s.start.elapsed().as_millis() as u64;
                     let idle = Duration::from_millis(now.saturating_sub(s.last_ms.load(Ordering::Relaxed)));
-                    let in_collective = IN_COLLECTIVE.load(Ordering::Relaxed);
+                    // A rank waiting in a collective is usually waiting for a rank that is stuck
+                    // elsewhere: the stuck rank's own watchdog fires first and names it.
+                    let in_collective = crate::parallel::comm::in_collective();
                     let limit = if in_collective { 2 * timeout } else { timeout };
                     if idle > limit && !s.stop.load(Ordering::Relaxed) {
                         let mut what = s.what.lock().map(|w| w.clone()).unwrap_or_default();
@@ -121,5 +111,5 @@ fn fire(rank: usize, idle: Duration, timeout: Duration, what: &str) -> ! {
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
     // SAFETY: _exit ends the process at once; nothing is left half-done that matters more
     // than ending a hung job (checkpoints are only ever published complete).
-    unsafe { libc::_exit(crate::cli::EXIT_RUN_FAILED) }
+    unsafe { libc::_exit(crate::exit::RUN_FAILED) }
 }

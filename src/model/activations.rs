@@ -1,0 +1,175 @@
+//! What the model keeps between forward and backward, and the scratch of one block's
+//! backward: the buffers, their element counts (one function each, shared by the allocation
+//! and the planner's prediction, so the two cannot drift apart), and [`ActivationMemory`].
+//!
+//! Legend: `B` micro-batch, `S` sequence, `N = B·S` tokens, `N_local` rows of the residual
+//! stream on this rank, `D` width, `H` query heads, `KV` kv heads, `hd` head dim, `F` ffn hidden.
+
+use super::params::Dims;
+use crate::backend::Backend;
+use crate::config::ActCkpt;
+use crate::scalar::Real;
+
+/// Rows of the residual stream of a micro-batch of `N` tokens: this rank's (`local`: `N`, or
+/// `N / tp` under sequence parallelism) and those of the gather scratch (`gathered`: `N` where
+/// the tensor-parallel hooks gather rows, else 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rows {
+    pub local: usize,
+    pub gathered: usize,
+}
+
+/// What one block keeps from forward for backward.
+#[derive(Default)]
+pub(super) struct BlockActs<V> {
+    pub(super) x: V,       // [N, D] block input
+    pub(super) rstd1: V,   // [N]
+    pub(super) xn1: V,     // [N, D]
+    pub(super) q: V,       // [B, H, S, hd] after RoPE
+    pub(super) k: V,       // [B, KV, S, hd] after RoPE
+    pub(super) v: V,       // [B, KV, S, hd]
+    pub(super) att: V,     // [B, H, S, hd] attention output, head-major
+    pub(super) lse: V,     // [B, H, S]
+    pub(super) att_tok: V, // [N, H*hd] attention output, token-major (o_proj input)
+    pub(super) x1: V,      // [N, D] after the attention residual
+    pub(super) rstd2: V,   // [N]
+    pub(super) xn2: V,     // [N, D]
+    pub(super) gate: V,    // [N, F]
+    pub(super) up: V,      // [N, F]
+    pub(super) h: V,       // [N, F] silu(gate)·up
+}
+
+/// Which of [`BlockActs`]' fields (in declaration order) `selective` recomputes: xn1, att_tok,
+/// xn2, h — each one elementwise pass over tensors that are kept.
+const CHEAP_TO_RECOMPUTE: [usize; 4] = [2, 8, 11, 14];
+
+/// Which activations a buffer holds: what forward keeps per block, or the recompute scratch.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum ActsRole {
+    Saved,
+    Scratch,
+}
+
+/// Element counts of every field of [`BlockActs`], in declaration order: what `alloc`
+/// allocates and what the planner predicts (one function, so the two cannot drift apart).
+pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole) -> [usize; 15] {
+    let (d, f, hd) = (m.d, m.ffn, m.hd);
+    let nl = rows.local;
+    let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
+    let all = [nl * d, nl, nl * d, n * qd, n * kvd, n * kvd, n * qd, n * m.heads, n * qd, nl * d, nl, nl * d, n * f, n * f, n * f];
+    let keep = |i: usize| match (ckpt, role) {
+        (ActCkpt::None, ActsRole::Saved) | (ActCkpt::Full, ActsRole::Scratch) => true,
+        (ActCkpt::None, ActsRole::Scratch) => false,
+        (ActCkpt::Full, ActsRole::Saved) => i == 0,
+        (ActCkpt::Selective, ActsRole::Saved) => !CHEAP_TO_RECOMPUTE.contains(&i),
+        (ActCkpt::Selective, ActsRole::Scratch) => CHEAP_TO_RECOMPUTE.contains(&i),
+    };
+    std::array::from_fn(|i| if keep(i) { all[i] } else { 0 })
+}
+
+impl<V> BlockActs<V> {
+    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole) -> Self {
+        let [x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h] =
+            block_acts_lens(m, n, rows, ckpt, role).map(|len| be.zeros(len));
+        BlockActs { x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h }
+    }
+
+    /// Exchanges the fields `selective` recomputes (no copy: the buffers change hands).
+    pub(super) fn swap_cheap(&mut self, other: &mut Self) {
+        std::mem::swap(&mut self.xn1, &mut other.xn1);
+        std::mem::swap(&mut self.att_tok, &mut other.att_tok);
+        std::mem::swap(&mut self.xn2, &mut other.xn2);
+        std::mem::swap(&mut self.h, &mut other.h);
+    }
+
+    /// Elements held, over every field.
+    pub(super) fn elements<T: Real, B: Backend<T, Buf = V>>(&self, be: &B) -> usize {
+        [
+            &self.x,
+            &self.rstd1,
+            &self.xn1,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.lse,
+            &self.att_tok,
+            &self.x1,
+            &self.rstd2,
+            &self.xn2,
+            &self.gate,
+            &self.up,
+            &self.h,
+        ]
+        .iter()
+        .map(|t| be.len(t))
+        .sum()
+    }
+}
+
+/// Gradient buffers of one block's backward, reused across layers.
+#[derive(Default)]
+pub(super) struct BlockGrads<V> {
+    pub(super) dx1: V,     // [N_local, D]
+    pub(super) dxn: V,     // [N_local, D]
+    pub(super) full_a: V,  // [N, D] gathered rows (only where the tp hooks gather: sequence parallelism)
+    pub(super) full_b: V,  // [N, D] partial sums before they are scattered back (likewise)
+    pub(super) dh: V,      // [N, F]
+    pub(super) dgate: V,   // [N, F]
+    pub(super) dup: V,     // [N, F]
+    pub(super) d_tok: V,   // [N, H*hd] token-major gradient (att_tok, then q)
+    pub(super) dkv_tok: V, // [N, KV*hd] (forward: the value projection)
+    pub(super) datt: V,    // [B, H, S, hd]
+    pub(super) dq: V,      // [B, H, S, hd]
+    pub(super) dk: V,      // [B, KV, S, hd]
+    pub(super) dv: V,      // [B, KV, S, hd]
+    // Projection outputs before the head-major transpose (forward scratch).
+    pub(super) q_tok: V,  // [N, H*hd]
+    pub(super) kv_tok: V, // [N, KV*hd]
+}
+
+/// Element counts of every field of [`BlockGrads`], in declaration order (see
+/// [`block_acts_lens`]).
+pub(super) fn block_grads_lens(m: &Dims, n: usize, rows: Rows) -> [usize; 15] {
+    let (d, f, hd) = (m.d, m.ffn, m.hd);
+    let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
+    let full = rows.gathered * d;
+    [rows.local * d, rows.local * d, full, full, n * f, n * f, n * f, n * qd, n * kvd, n * qd, n * qd, n * kvd, n * kvd, n * qd, n * kvd]
+}
+
+impl<V> BlockGrads<V> {
+    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize, rows: Rows) -> Self {
+        let [dx1, dxn, full_a, full_b, dh, dgate, dup, d_tok, dkv_tok, datt, dq, dk, dv, q_tok, kv_tok] =
+            block_grads_lens(m, n, rows).map(|len| be.zeros(len));
+        BlockGrads { dx1, dxn, full_a, full_b, dh, dgate, dup, d_tok, dkv_tok, datt, dq, dk, dv, q_tok, kv_tok }
+    }
+}
+
+/// The buffers a [`super::Model`] allocates for micro-batches of `B × S` tokens, in bytes of `f32`, by
+/// what they hold. `activations()` is what `Model::activation_bytes` reports once the buffers
+/// exist; the planner predicts memory from this without allocating anything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ActivationMemory {
+    /// What forward keeps for backward: every block's activations (`none`), inputs (`full`),
+    /// or all but the cheap elementwise outputs (`selective`).
+    pub saved: usize,
+    /// One block's recomputed activations: all of them (`full`) or the cheap ones (`selective`).
+    pub recompute: usize,
+    /// The logits `[N, V_local]` (the logit gradients overwrite them).
+    pub logits: usize,
+    /// The final norm's input, output and statistics, the loss's log-sum-exp.
+    pub head: usize,
+    /// Gradient buffers of one block's backward (reused across blocks) and of the residual.
+    pub backward: usize,
+}
+
+impl ActivationMemory {
+    /// Held between forward and backward (the measured `activation_bytes`).
+    pub fn activations(&self) -> usize {
+        self.saved + self.recompute + self.logits + self.head
+    }
+
+    pub fn total(&self) -> usize {
+        self.activations() + self.backward
+    }
+}

@@ -1,0 +1,21 @@
+//! The layer between the model and the network: the process mesh and every parallel strategy,
+//! applied to the model from outside through its hooks (`model::hooks`).
+//!
+//! * `comm` — MPI: start-up, groups, collectives and their counters (the only module that names
+//!   `mpi::`);
+//! * `mesh` — the 4-D mesh and its groups (`tp`, `cp`, `fsdp`, `dp_rep`, `batch`);
+//! * `collective` — a group's collectives on a backend's buffers, as the strategies call them;
+//! * `fsdp` — data parallelism in its three forms (DP, FSDP, HSDP): the shard plan, the sharded
+//!   parameters and gradients, their memory and byte formulas;
+//! * `tp` — Megatron tensor parallelism with sequence parallelism, and its byte formula;
+//! * `cp` — context parallelism: the zigzag split and ring attention, and its byte formula.
+//!
+//! `docs/parallelism.md` gives the maths. Every strategy is written over the backend's buffer
+//! type, and a group of degree 1 is a no-op inside the collectives, never a special case here.
+
+pub mod collective;
+pub mod comm;
+pub mod cp;
+pub mod fsdp;
+pub mod mesh;
+pub mod tp;

@@ -1,0 +1,200 @@
+//! Where the loop meets files of model state: resuming from a checkpoint (with `resume =
+//! "auto"` the newest valid one), starting from a Hugging Face folder (`init_from`), writing a
+//! checkpoint at a step boundary, and the record of each in `checkpoint_io.csv` and on the
+//! console. Every rank reads and writes only its own slices.
+
+use super::state::ModelState;
+use super::{AgreedFailure, Error};
+use crate::backend::Backend;
+use crate::config::Resolved;
+use crate::io::checkpoint::{self as ckpt, DataState, LoadError, Meta, WriteControl, WriterLayout};
+use crate::metrics::{peak_rss_bytes, rss_bytes, CheckpointIo, CheckpointIoLog};
+use crate::parallel::mesh::Mesh;
+use crate::run::faults;
+use crate::run::watchdog::beat;
+use crate::say;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Fills `state` from the first usable checkpoint of `candidates`, or else from `init_from`
+/// when the deck names one, and records the load. Returns the step the run continues from.
+pub(super) fn load<B: Backend<f32> + Clone>(
+    state: &mut ModelState<'_, B>,
+    candidates: &[PathBuf],
+    res: &Resolved,
+    mesh: &Mesh,
+    log: &mut Option<CheckpointIoLog>,
+    (start, rss_before): (Instant, u64),
+) -> Result<u64, Error> {
+    let deck = &res.deck;
+    let state_bytes = state.shard_bytes();
+    if !candidates.is_empty() {
+        let (meta, path, bytes) = resume(state, candidates, deck.checkpoint.resume == "auto", res, mesh)?;
+        say!(
+            "resumed from {} (step {}, written by {}; {} tokens seen){}",
+            path.display(),
+            meta.step,
+            meta.layout,
+            meta.tokens_seen,
+            if meta.run_steps != deck.run.steps {
+                format!("; the LR schedule now spans {} steps (the checkpoint's run had {})", deck.run.steps, meta.run_steps)
+            } else {
+                String::new()
+            }
+        );
+        log_load(mesh, log, meta.step, &path, bytes, (start, rss_before), 3 * state_bytes)?;
+        return Ok(meta.step);
+    }
+    if !deck.checkpoint.init_from.is_empty() {
+        let dir = Path::new(&deck.checkpoint.init_from);
+        let reader = crate::io::hf::SliceReader::open(dir, &deck.model)?;
+        let bytes = state.with_host_state_mut(|blocks, [params, _, _]| {
+            let mut bytes = 0;
+            for (slot, b) in params.into_iter().zip(blocks) {
+                reader.read_block(&b.name, &b.start, &b.count, &mut slot[..b.len()])?;
+                bytes += 4 * b.len() as u64;
+            }
+            Ok::<_, Error>(bytes)
+        })?;
+        say!("init_from: {} (each rank read only its slices)", dir.display());
+        log_load(mesh, log, 0, dir, bytes, (start, rss_before), state_bytes)?;
+    }
+    Ok(0)
+}
+
+/// Loads the first usable checkpoint of `candidates` into the shards and moments. With
+/// `auto`, a corrupt one is reported and the next older tried; a checkpoint that does not fit
+/// the run (another model, batch or seed) is always an error.
+fn resume<B: Backend<f32> + Clone>(
+    state: &mut ModelState<'_, B>,
+    candidates: &[PathBuf],
+    auto: bool,
+    res: &Resolved,
+    mesh: &Mesh,
+) -> Result<(Meta, PathBuf, u64), Error> {
+    for path in candidates {
+        let attempt = ckpt::Reader::open_parallel(path, &mesh.world).and_then(|r| {
+            ckpt::check_compatible(&r.meta, &res.deck, res.global_batch, path)?;
+            let meta = r.meta.clone();
+            let report = state.with_host_state_mut(|blocks, slots| r.read_into(blocks, slots, &mesh.world))?;
+            Ok((meta, report.bytes))
+        });
+        match attempt {
+            Ok((meta, bytes)) => {
+                state.rule.t = meta.optim_step;
+                return Ok((meta, path.clone(), bytes));
+            }
+            Err(LoadError::Corrupt(e)) if auto => say!("resume = \"auto\": skipping a checkpoint that is not valid: {e}"),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(format!("resume = \"auto\": no checkpoint in {} is valid (each failed as reported above)", res.deck.checkpoint_dir().display())
+        .into())
+}
+
+/// Records a load (a resume or `init_from`) in `checkpoint_io.csv`: bytes read by all ranks,
+/// the slowest rank's time, and the largest resident memory before and after.
+fn log_load(
+    mesh: &Mesh,
+    log: &mut Option<CheckpointIoLog>,
+    step: u64,
+    file: &Path,
+    bytes: u64,
+    (start, rss_before): (Instant, u64),
+    state_bytes: usize,
+) -> Result<(), Error> {
+    let seconds = mesh.world.min_max_sum_f64(start.elapsed().as_secs_f64()).1;
+    let total = mesh.world.min_max_sum_f64(bytes as f64).2 as u64;
+    let before = mesh.world.min_max_sum_f64(rss_before as f64).1 as u64;
+    let peak = mesh.world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;
+    say!(
+        "loaded {:.1} MiB in {:.2} s; per rank: model state {:.1} MiB, resident {:.1} MiB before and peak {:.1} MiB after loading",
+        total as f64 / 1048576.0,
+        seconds,
+        state_bytes as f64 / 1048576.0,
+        before as f64 / 1048576.0,
+        peak as f64 / 1048576.0
+    );
+    if let Some(l) = log.as_mut() {
+        l.append(&CheckpointIo {
+            event: "load",
+            step,
+            file,
+            bytes: total,
+            seconds,
+            collective: true,
+            rss_before_bytes: before,
+            peak_rss_bytes: peak,
+            state_bytes_per_rank: state_bytes as u64,
+        })?;
+    }
+    Ok(())
+}
+
+/// Writes the checkpoint after `step` optimiser steps into `dir` and records it in
+/// `checkpoint_io.csv`. A failure on any rank is agreed on every rank and ends the run; the
+/// previous checkpoint and `latest` are untouched.
+pub(super) fn save<B: Backend<f32> + Clone>(
+    state: &ModelState<'_, B>,
+    res: &Resolved,
+    mesh: &Mesh,
+    dir: &Path,
+    step: u64,
+    log: &mut Option<CheckpointIoLog>,
+) -> Result<(), Error> {
+    let deck = &res.deck;
+    let l = res.layout;
+    let data = DataState::after(step, res.global_batch, deck);
+    let meta = Meta {
+        step,
+        tokens_seen: data.samples_seen * deck.train.seq_len as u64,
+        optim_step: state.rule.t,
+        seed: deck.run.seed,
+        run_steps: deck.run.steps,
+        data,
+        deck: deck.to_toml(),
+        layout: WriterLayout { dp_replicate: l.dp_replicate, dp_shard: l.dp_shard, cp: l.cp, tp: l.tp, world: mesh.world.size() },
+        model: deck.model.clone(),
+        ndtrain_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let rss_before = mesh.world.min_max_sum_f64(rss_bytes() as f64).1 as u64;
+    let rank = mesh.world.rank();
+    let write_error = faults::fault(faults::CHECKPOINT_WRITE_ERROR_ENV)?;
+    let control = WriteControl {
+        progress: &|what: &str| beat(|| what.to_string()),
+        abort: faults::abort_during_checkpoint().map(|s| (faults::ABORT_DURING_CHECKPOINT_ENV, s)),
+        fail: faults::fires(&write_error, rank, step)
+            .then(|| format!("rank {rank}: injected write error ({})", faults::CHECKPOINT_WRITE_ERROR_ENV)),
+    };
+    let report =
+        state.with_host_state(|blocks, [p, m, v]| ckpt::save(dir, deck.checkpoint.keep, &meta, blocks, [&p, &m, &v], &mesh.world, control));
+    // Every failure of `save` is agreed on every rank; the run ends (the documented policy: the
+    // previous checkpoint and `latest` are untouched, `resume = "auto"` continues from them).
+    let report = report.map_err(|e| AgreedFailure {
+        message: (rank == 0).then(|| format!("{e}; the run stops here (checkpoint write failures end the run)")),
+    })?;
+    let seconds = mesh.world.min_max_sum_f64(report.seconds).1;
+    let peak = mesh.world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;
+    say!(
+        "checkpoint {}: {:.1} MiB in {:.2} s ({:.0} MB/s{})",
+        report.path.display(),
+        report.bytes as f64 / 1048576.0,
+        seconds,
+        report.bytes as f64 / 1e6 / seconds.max(1e-9),
+        if report.collective { ", collective MPI-IO" } else { ", independent I/O" }
+    );
+    if let Some(l) = log.as_mut() {
+        l.append(&CheckpointIo {
+            event: "write",
+            step,
+            file: &report.path,
+            bytes: report.bytes,
+            seconds,
+            collective: report.collective,
+            rss_before_bytes: rss_before,
+            peak_rss_bytes: peak,
+            state_bytes_per_rank: 3 * state.shard_bytes() as u64,
+        })?;
+    }
+    Ok(())
+}

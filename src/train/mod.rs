@@ -1,0 +1,344 @@
+//! The training loop: one loop for every backend and every layout.
+//!
+//! [`train`] reads as its phases: load or resume the model state, then per step the step
+//! itself ([`step::Trainer::step`]: micro-steps, reductions, clipping, AdamW), the stop check,
+//! the checkpoint when one is due, and the logs; then the end-of-run summary. The model state
+//! is this rank's shards on the backend ([`state::ModelState`]); the parallel strategies come
+//! from `parallel`, applied through the model's hooks, with the mesh's collectives on the
+//! backend's buffers. Knows nothing of MPI beyond the mesh's groups.
+
+mod checkpointing;
+mod summary;
+
+pub mod state;
+pub mod step;
+
+use crate::backend::Backend;
+use crate::config::Resolved;
+use crate::io::checkpoint as ckpt;
+use crate::metrics::{
+    fmt_duration, rss_bytes, CheckpointIoLog, MemoryStats, MetricsCsv, Phase, PhaseTimes, StepRecord, StepTiming, TimingLog,
+};
+use crate::model::params::Dims;
+use crate::parallel::collective::MeshCollectives;
+use crate::parallel::comm::CommCount;
+use crate::parallel::mesh::Mesh;
+use crate::run::faults::{self, fires, Fault};
+use crate::run::watchdog::{beat, Watchdog};
+use crate::say;
+use state::{ModelState, Start};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use step::{say_skipped, StepOutcome, Trainer};
+
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// A failure every rank detected at the same point from the same globally reduced values (a
+/// non-finite loss or gradient norm, a checkpoint write that failed somewhere): no rank is left
+/// inside a collective, so they all finalise MPI and exit non-zero together. `message` is set
+/// on the one rank that reports it, so the job prints it once.
+#[derive(Debug)]
+pub struct AgreedFailure {
+    pub message: Option<String>,
+}
+
+impl std::fmt::Display for AgreedFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.message.as_deref().unwrap_or("the run failed on every rank (reported by another rank)"))
+    }
+}
+
+impl std::error::Error for AgreedFailure {}
+
+/// What a finished run reports to its caller (tests read it; the console has printed it).
+#[derive(Clone, Debug)]
+pub struct RunSummary {
+    /// The losses of the steps this invocation ran.
+    pub losses: Vec<f64>,
+    pub entropy_floor: Option<f64>,
+    pub activation_bytes: usize,
+    pub mean_step_s: f64,
+    /// A stop signal ended the run early, after writing a checkpoint.
+    pub preempted: bool,
+    /// Steps whose update `on_nonfinite = "skip"` skipped.
+    pub skipped_steps: u64,
+}
+
+/// The FLOP rate per rank MFU is stated against, and where it comes from.
+#[derive(Clone, Debug)]
+pub struct Peak {
+    pub flops: f64,
+    pub source: String,
+}
+
+/// Trains for `[run] steps` optimiser steps on backend `be`, with the mesh's collectives on its
+/// buffers `comms`, and writes the run's logs under `out_dir`.
+pub fn train<B: Backend<f32> + Clone>(
+    be: B,
+    comms: MeshCollectives<'_, B::Buf>,
+    res: &Resolved,
+    mesh: &Mesh,
+    out_dir: &Path,
+    peak: Peak,
+) -> Result<RunSummary, Error> {
+    let mut run = Run::start(be, comms, res, mesh, out_dir, peak)?;
+    for step in run.first_step..run.steps {
+        let start = Instant::now();
+        run.injected_faults(step + 1)?;
+        let mut out = run.trainer.step(step)?;
+        run.stepped(step + 1, &out, start);
+        let stop = run.stop_requested(&mut out.phases);
+        run.preempted = stop;
+        if run.checkpoint_due(step + 1, stop) {
+            run.checkpoint(step + 1, &mut out.phases)?;
+        }
+        run.log(step + 1, &out, start)?;
+        if stop {
+            say!(
+                "stop signal (SIGTERM/SIGUSR1): checkpoint of step {} written; exiting with code {} so the job can be requeued",
+                step + 1,
+                crate::exit::PREEMPTED
+            );
+            break;
+        }
+    }
+    run.finish()
+}
+
+/// One rank's run: the trainer and everything the loop records around it.
+struct Run<'g, B: Backend<f32>> {
+    trainer: Trainer<'g, B>,
+    res: &'g Resolved,
+    mesh: &'g Mesh,
+    first_step: u64,
+    steps: u64,
+    ckpt_dir: PathBuf,
+    ckpt_log: Option<CheckpointIoLog>,
+    metrics: Option<MetricsCsv>,
+    timing: TimingLog,
+    peak: f64,
+    flops_per_token: f64,
+    entropy_floor: Option<f64>,
+    run_start: Instant,
+    /// Per step: the loss, the training time (no checkpoint, no logging).
+    losses: Vec<f64>,
+    step_times: Vec<f64>,
+    totals: PhaseTimes,
+    /// Time spent writing the previous step's logs (the timing log's `log_s`).
+    last_log_s: f64,
+    skipped: u64,
+    preempted: bool,
+    debug_delay: Option<Duration>,
+    fail: Option<Fault>,
+    hang: Option<Fault>,
+    watchdog: Option<Watchdog>,
+}
+
+impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
+    /// Load or resume: the model state (seeded, resumed or imported), the data, the logs.
+    fn start(
+        be: B,
+        comms: MeshCollectives<'g, B::Buf>,
+        res: &'g Resolved,
+        mesh: &'g Mesh,
+        out_dir: &Path,
+        peak: Peak,
+    ) -> Result<Self, Error> {
+        let deck = &res.deck;
+        let ckpt_dir = deck.checkpoint_dir();
+        let candidates = ckpt::resume_candidates(&deck.checkpoint.resume, &ckpt_dir)?;
+        let from_files = !candidates.is_empty() || !deck.checkpoint.init_from.is_empty();
+        let rss_before_load = rss_bytes();
+        let load_start = Instant::now();
+        // This rank's shards (the whole model when the fsdp degree is 1): tensors are first cut
+        // for tensor parallelism (this tp rank's piece), then sharded over fsdp. A resumed or
+        // imported model is read slice by slice into zero shards.
+        let dims = Dims::new(&deck.model, mesh.tp.size(), mesh.tp.rank());
+        let start = if from_files { Start::Empty } else { Start::Seeded(deck.run.seed) };
+        let overlap = (deck.parallel.reshard_after_forward, deck.parallel.overlap);
+        let mut state = ModelState::new(&be, &dims, &comms, start, overlap, &deck.optim, mesh.dp_rep.rank() == 0);
+        let rank0 = mesh.world.rank() == 0;
+        let resumed_at = if candidates.is_empty() { 0 } else { u64::MAX };
+        let mut ckpt_log = rank0.then(|| CheckpointIoLog::create(&out_dir.join("checkpoint_io.csv"), resumed_at)).transpose()?;
+        let first_step = checkpointing::load(&mut state, &candidates, res, mesh, &mut ckpt_log, (load_start, rss_before_load))?;
+
+        let source = Trainer::<B>::open_data(res)?;
+        let entropy_floor = source.entropy_floor(deck.train.seq_len);
+        summary::say_data(source.as_ref(), entropy_floor);
+        let trainer = Trainer::new(be, comms, res, mesh, state, source)?;
+        summary::warn_if_data_wraps(res, trainer.loader.samples_per_epoch());
+
+        let metrics = rank0.then(|| MetricsCsv::create(&out_dir.join("metrics.csv"), first_step)).transpose()?;
+        let timing = TimingLog::create(&out_dir.join("timing"), mesh.world.rank(), first_step, rss_before_load)?;
+        let flops_per_token = crate::metrics::flops_per_token(&deck.model, deck.train.seq_len);
+        summary::say_model(res, trainer.model.backend().describe(), &peak, flops_per_token);
+        crate::run::preempt::install()?;
+        faults::fault(faults::CHECKPOINT_WRITE_ERROR_ENV)?;
+        let steps = deck.run.steps;
+        if first_step >= steps {
+            say!("the checkpoint is at step {first_step}, [run] steps = {steps}: nothing left to train");
+        }
+        Ok(Run {
+            trainer,
+            res,
+            mesh,
+            first_step,
+            steps,
+            ckpt_dir,
+            ckpt_log,
+            metrics,
+            timing,
+            peak: peak.flops,
+            flops_per_token,
+            entropy_floor,
+            run_start: Instant::now(),
+            losses: Vec::with_capacity(steps as usize),
+            step_times: vec![],
+            totals: PhaseTimes::default(),
+            last_log_s: 0.0,
+            skipped: 0,
+            preempted: false,
+            debug_delay: faults::step_delay()?,
+            fail: faults::fault(faults::FAIL_ENV)?,
+            hang: faults::fault(faults::HANG_ENV)?,
+            watchdog: Watchdog::start(Duration::from_secs_f64(deck.run.watchdog_seconds), mesh.world.rank()),
+        })
+    }
+
+    /// The debug options that make this rank fail or hang at step `s1` (`docs/debugging.md`).
+    fn injected_faults(&self, s1: u64) -> Result<(), Error> {
+        beat(|| format!("step {s1}: start"));
+        let rank = self.mesh.world.rank();
+        if fires(&self.fail, rank, s1) {
+            return Err(format!("injected failure ({}) at step {s1}", faults::FAIL_ENV).into());
+        }
+        if fires(&self.hang, rank, s1) {
+            eprintln!("rank {rank}: {} at step {s1}: this rank stops making progress", faults::HANG_ENV);
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records step `s1`'s training time and loss.
+    fn stepped(&mut self, s1: u64, out: &StepOutcome, start: Instant) {
+        if !out.updated {
+            self.skipped += 1;
+            say_skipped(s1, out, self.skipped);
+        }
+        self.step_times.push(start.elapsed().as_secs_f64());
+        self.losses.push(out.loss);
+        if let Some(d) = self.debug_delay {
+            std::thread::sleep(d);
+        }
+    }
+
+    /// Whether a stop signal reached any rank: agreed at this step boundary, so every rank
+    /// stops here, with a checkpoint.
+    fn stop_requested(&self, pt: &mut PhaseTimes) -> bool {
+        let t = Instant::now();
+        let mut stop = [crate::run::preempt::requested() as u64];
+        self.mesh.world.agree_max_u64(&mut stop);
+        pt[Phase::Wait] += t.elapsed().as_secs_f64();
+        stop[0] != 0
+    }
+
+    fn checkpoint_due(&self, s1: u64, stop: bool) -> bool {
+        let every = self.res.deck.checkpoint.every;
+        stop || (every > 0 && (s1 % every == 0 || s1 == self.steps))
+    }
+
+    fn checkpoint(&mut self, s1: u64, pt: &mut PhaseTimes) -> Result<(), Error> {
+        beat(|| format!("step {s1}: writing a checkpoint"));
+        let t = Instant::now();
+        checkpointing::save(&self.trainer.state, self.res, self.mesh, &self.ckpt_dir, s1, &mut self.ckpt_log)?;
+        pt[Phase::Checkpoint] += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The step's row of the timing log and of `metrics.csv`, and its console line.
+    fn log(&mut self, s1: u64, out: &StepOutcome, start: Instant) -> Result<(), Error> {
+        let step_s = start.elapsed().as_secs_f64();
+        self.totals.add(&out.phases);
+        let t_log = Instant::now();
+        let comm: BTreeMap<String, CommCount> = self
+            .mesh
+            .groups()
+            .iter()
+            .flat_map(|g| g.take_counts().into_iter().map(move |(k, c)| (format!("{}.{k}", g.name()), c)))
+            .collect();
+        let state = &self.trainer.state;
+        let shard_bytes = state.shard_bytes();
+        let mem = MemoryStats {
+            param_bytes: shard_bytes,
+            grad_bytes: shard_bytes,
+            optim_bytes: 2 * shard_bytes,
+            gathered_peak_bytes: state.params.gathered_peak_bytes,
+            grad_scratch_bytes: state.grads.scratch_bytes(),
+            activation_bytes: self.trainer.model.activation_bytes(),
+        };
+        let attention_pairs = self.trainer.model.take_attention_pairs();
+        let timing = StepTiming { step: s1, step_s, phases: &out.phases, log_s: self.last_log_s, comm: &comm, mem: &mem, attention_pairs };
+        self.timing.append(&timing)?;
+        let elapsed = self.run_start.elapsed().as_secs_f64();
+        let train_s = *self.step_times.last().expect("the step was recorded");
+        let tps = (self.res.global_batch * self.res.deck.train.seq_len) as f64 / train_s;
+        let world = self.mesh.world.size();
+        let rec = StepRecord {
+            step: s1,
+            loss: out.loss,
+            lr: out.lr,
+            grad_norm: out.grad_norm,
+            tokens_per_s: tps,
+            mfu: tps * self.flops_per_token / (self.peak * world as f64),
+            step_s: train_s,
+            elapsed_s: elapsed,
+            world,
+        };
+        if let Some(m) = self.metrics.as_mut() {
+            m.append(&rec)?;
+        }
+        if s1 % self.res.deck.log.every == 0 || s1 == self.steps || self.preempted {
+            let eta = elapsed / s1 as f64 * (self.steps - s1) as f64;
+            say!(
+                "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>10.0} {:>5.1}% {:>9} {:>8}",
+                s1,
+                out.loss,
+                out.lr,
+                out.grad_norm,
+                tps,
+                tps / world as f64,
+                100.0 * rec.mfu,
+                fmt_duration(elapsed),
+                fmt_duration(eta)
+            );
+        }
+        self.last_log_s = t_log.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The end of the run: the summary across ranks, the invariants, the export.
+    fn finish(mut self) -> Result<RunSummary, Error> {
+        drop(self.watchdog.take());
+        let total_s = self.run_start.elapsed().as_secs_f64();
+        summary::say_phase_table(self.mesh, &self.totals, total_s);
+        summary::say_totals(self.res, total_s, &self.step_times, self.entropy_floor, &self.losses);
+        let act = self.trainer.model.activation_bytes();
+        summary::say_memory(&self.trainer.state, act);
+        summary::check_tp_replicas(self.mesh, &self.trainer.state)?;
+        if !self.res.deck.checkpoint.export_hf.is_empty() && !self.preempted {
+            summary::export_hf(self.res, self.mesh, &mut self.trainer.state)?;
+        }
+        summary::say_closing(&self.res.deck, self.skipped, act);
+        Ok(RunSummary {
+            losses: self.losses,
+            entropy_floor: self.entropy_floor,
+            activation_bytes: act,
+            mean_step_s: self.step_times.iter().sum::<f64>() / self.step_times.len().max(1) as f64,
+            preempted: self.preempted,
+            skipped_steps: self.skipped,
+        })
+    }
+}
