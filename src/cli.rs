@@ -153,7 +153,7 @@ pub fn main() -> i32 {
         Cmd::Probe { threads } => run_probe(threads),
         Cmd::GpuCheck { layout } => run_gpu_check(layout),
         Cmd::Ckpt { cmd } => run_ckpt(cmd),
-        Cmd::Sweep { study, out } => match crate::sweep::run(&study, out.as_deref()) {
+        Cmd::Sweep { study, out } => match crate::tools::sweep::run(&study, out.as_deref()) {
             Ok(points) => {
                 for p in &points {
                     println!("{:<16} {:>5} ranks  {}  {}", p.label, p.ranks, p.deck.display(), p.job.display());
@@ -170,7 +170,7 @@ pub fn main() -> i32 {
         },
         Cmd::Report { runs, out } => {
             let out = out.unwrap_or_else(|| runs[0].join("report"));
-            match crate::report::run(&runs, &out) {
+            match crate::tools::report::run(&runs, &out) {
                 Ok(files) => {
                     for f in files {
                         println!("wrote {}", f.display());
@@ -243,12 +243,12 @@ fn run_plan(deck: PathBuf, ranks: usize, ranks_per_node: Option<usize>, all_layo
             report_error(&e);
             return EXIT_BAD_INPUT;
         }
-        let (ranked, refused) = crate::plan::rank_layouts(&parsed, ranks, &hw, peak);
+        let (ranked, refused) = crate::tools::plan::rank_layouts(&parsed, ranks, &hw, peak);
         if ranked.is_empty() {
             report_error(&format!("no layout of {ranks} ranks is valid for deck {} ({refused} refused)", deck.display()));
             return EXIT_BAD_INPUT;
         }
-        print!("{}", crate::plan::describe_ranking(&ranked, refused, &hw, peak));
+        print!("{}", crate::tools::plan::describe_ranking(&ranked, refused, &hw, peak));
         return 0;
     }
     let res = match parsed.resolve(ranks) {
@@ -265,9 +265,9 @@ fn run_plan(deck: PathBuf, ranks: usize, ranks_per_node: Option<usize>, all_layo
         println!("{line}");
     }
     println!("parameters: {n} ({} in f32; with gradients and AdamW moments {})", plan_bytes(n * 4), plan_bytes(n * 16));
-    let p = crate::plan::plan(&res);
-    print!("{}", crate::plan::describe(&p, &res, &hw));
-    let c = crate::plan::cost(&p, &res.deck, &hw, peak);
+    let p = crate::tools::plan::plan(&res);
+    print!("{}", crate::tools::plan::describe(&p, &res, &hw));
+    let c = crate::tools::plan::cost(&p, &res.deck, &hw, peak);
     println!(
         "
 cost model: {:.3} s compute + {:.3} s communication = {:.3} s per step, {:.0} tokens/s (peak {:.3e} FLOP/s per rank{})",

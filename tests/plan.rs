@@ -56,7 +56,7 @@ fn the_plan_matches_the_measured_bytes_and_memory() {
         let deck = Deck::from_file(&tiny_deck(), &owned).unwrap();
         assert_bytes_match_formula(dir.path(), name, &deck, *ranks);
 
-        let p = ndtrain::plan::plan(&deck.resolve(*ranks).unwrap());
+        let p = ndtrain::tools::plan::plan(&deck.resolve(*ranks).unwrap());
         let row = timing_last_row(&dir.path().join(name));
         for (col, want) in [
             ("param_bytes", p.state.params),

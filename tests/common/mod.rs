@@ -135,9 +135,9 @@ pub fn run_layout(dir: &Path, name: &str, ranks: usize, layout: &[&str]) -> RunR
 }
 
 /// Checks every step's measured bytes per collective on rank 0 against the planner's
-/// prediction (`plan::predicted_comm_bytes`, built on the `fsdp`, `tp` and `cp` formulas).
+/// prediction (`tools::plan::predicted_comm_bytes`, built on the `fsdp`, `tp` and `cp` formulas).
 pub fn assert_bytes_match_formula(dir: &Path, name: &str, deck: &ndtrain::config::Deck, world: usize) {
-    let want = ndtrain::plan::predicted_comm_bytes(&deck.resolve(world).unwrap());
+    let want = ndtrain::tools::plan::predicted_comm_bytes(&deck.resolve(world).unwrap());
     let csv = std::fs::read_to_string(dir.join(name).join("timing/rank_00000.csv")).unwrap();
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();

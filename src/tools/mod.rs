@@ -1,0 +1,11 @@
+//! The user tools that work around training but are no part of it: `ndtrain plan` ([`plan`]:
+//! memory, bytes and FLOPs a deck will need on a layout, and the layouts of a world ranked by
+//! a cost model), `ndtrain sweep` ([`sweep`]: a scaling study expanded into decks and job
+//! scripts) and `ndtrain report` ([`report`]: statistics and plots from the logs of finished
+//! runs). Each runs as one process without MPI; `cli.rs` calls them. The training path never
+//! imports this module: the tools depend on training's formulas and file formats, not the
+//! other way round.
+
+pub mod plan;
+pub mod report;
+pub mod sweep;

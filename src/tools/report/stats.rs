@@ -1,0 +1,228 @@
+//! The statistics of one run drawn from its logs ([`RunStats`]): median step time, throughput,
+//! final loss and MFU from `metrics.csv`; from the per-rank timing logs, each phase's seconds
+//! per step across ranks (min, mean, max, imbalance), the bytes each collective moved, and the
+//! peak memory, all over the steady steps (the first is left out from three steps on).
+//!
+//! Reads no files (`read.rs` does) and formats nothing (`tables.rs`, `plots.rs`); comparing
+//! runs with each other is `scaling.rs`.
+
+use super::read::{CsvTable, RunLayout, RunLog};
+use crate::metrics::{median, PHASES};
+use std::collections::BTreeMap;
+
+/// The steady-state part of a run's steps: the first step pays one-time costs (allocations,
+/// page faults, the first communicator use), so it is left out when there are 3 or more.
+fn steady<T>(steps: &[T]) -> &[T] {
+    if steps.len() >= 3 {
+        &steps[1..]
+    } else {
+        steps
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+/// One phase's seconds per step across ranks: the mean over steady steps of each step's
+/// min, mean and max across ranks.
+#[derive(Clone, Debug)]
+pub(super) struct PhaseStat {
+    pub(super) phase: &'static str,
+    pub(super) min: f64,
+    pub(super) avg: f64,
+    pub(super) max: f64,
+}
+
+impl PhaseStat {
+    /// `(max - avg) / avg`: how much longer the slowest rank took than the average (0 when
+    /// the phase took no time).
+    pub(super) fn imbalance(&self) -> f64 {
+        if self.avg > 0.0 {
+            (self.max - self.avg) / self.avg
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Everything the tables and plots show about one run (not the trainer's end-of-run
+/// `train::RunSummary`: this is drawn from the logs afterwards).
+pub(super) struct RunStats {
+    pub(super) name: String,
+    pub(super) dir: String,
+    pub(super) ranks: usize,
+    pub(super) layout: RunLayout,
+    pub(super) steps: usize,
+    pub(super) global_batch: usize,
+    pub(super) seq_len: usize,
+    pub(super) tokens_per_step: usize,
+    /// Median over the steady steps of `metrics.csv`'s `step_s` (the training time of a step,
+    /// without checkpoint and logging: what `tokens_per_s` is computed from).
+    pub(super) median_step_s: f64,
+    pub(super) tokens_per_s: f64,
+    pub(super) final_loss: f64,
+    /// Median of `metrics.csv`'s `mfu` over the steady steps (NaN when the column is absent).
+    pub(super) mfu: f64,
+    /// What the per-rank timing logs say.
+    pub(super) timing: TimingStats,
+    /// `(step, loss)` of every logged step.
+    pub(super) loss_curve: Vec<(f64, f64)>,
+}
+
+impl RunStats {
+    pub(super) fn of(log: &RunLog, name: String) -> Result<RunStats, String> {
+        let metrics = &log.metrics;
+        let steps = metrics.steps()?;
+        let losses = metrics.column("loss")?;
+        let step_s = metrics.column("step_s")?;
+        let mfu = match metrics.index_of("mfu") {
+            Some(_) => median(steady(&metrics.column("mfu")?)),
+            None => f64::NAN,
+        };
+        let median_step_s = median(steady(&step_s));
+        let tokens_per_step = log.deck.global_batch * log.deck.seq_len;
+        let timing = TimingStats::of(&log.timing)?;
+        Ok(RunStats {
+            name,
+            dir: log.dir.display().to_string(),
+            ranks: log.deck.ranks,
+            layout: log.deck.layout,
+            steps: steps.len(),
+            global_batch: log.deck.global_batch,
+            seq_len: log.deck.seq_len,
+            tokens_per_step,
+            median_step_s,
+            tokens_per_s: tokens_per_step as f64 / median_step_s,
+            final_loss: *losses.last().expect("metrics has rows"),
+            mfu,
+            timing,
+            loss_curve: steps.iter().zip(&losses).map(|(&s, &l)| (s as f64, l)).collect(),
+        })
+    }
+
+    pub(super) fn tokens_per_s_per_rank(&self) -> f64 {
+        self.tokens_per_s / self.ranks as f64
+    }
+
+    pub(super) fn comm_bytes_of(&self, collective: &str) -> f64 {
+        self.timing.comm_bytes.iter().find(|(c, _)| c == collective).map_or(0.0, |(_, b)| *b)
+    }
+
+    pub(super) fn phase(&self, phase: &str) -> Option<&PhaseStat> {
+        self.timing.phases.iter().find(|p| p.phase == phase)
+    }
+}
+
+/// The statistics of a run's per-rank timing logs, over the steady steps every rank logged.
+pub(super) struct TimingStats {
+    /// Steps of the timing logs the phase and byte statistics average over.
+    pub(super) steps: usize,
+    pub(super) phases: Vec<PhaseStat>,
+    /// `[rank][phase]`: mean seconds per step, phases in `phases` order.
+    pub(super) rank_phase_s: Vec<Vec<f64>>,
+    /// Mean of the timing logs' `step_s` per rank (wall time of the whole step), if logged.
+    pub(super) rank_step_s: Option<Vec<f64>>,
+    /// `(group.kind, bytes per step per rank)`, mean over ranks and steps; non-zero only.
+    pub(super) comm_bytes: Vec<(String, f64)>,
+    pub(super) peak_rss_bytes: Option<u64>,
+}
+
+impl TimingStats {
+    fn of(ranks: &[CsvTable]) -> Result<TimingStats, String> {
+        let first = &ranks[0];
+        // A killed job may leave ranks one step apart: use the steps every rank finished.
+        let row_of_step: Vec<BTreeMap<u64, usize>> = ranks
+            .iter()
+            .map(|t| Ok(t.steps()?.into_iter().enumerate().map(|(row, step)| (step, row)).collect()))
+            .collect::<Result<_, String>>()?;
+        let common: Vec<u64> = row_of_step[0].keys().copied().filter(|s| row_of_step.iter().all(|r| r.contains_key(s))).collect();
+        let window = steady(&common);
+        if window.is_empty() {
+            return Err(format!("{}: the ranks' timing logs share no step", first.path.parent().unwrap_or(&first.path).display()));
+        }
+        // [rank][i]: the row of each rank's log that holds the i-th step of the window.
+        let rows: Vec<Vec<usize>> = row_of_step.iter().map(|r| window.iter().map(|s| r[s]).collect()).collect();
+        let phases: Vec<&'static str> = PHASES.iter().copied().filter(|p| first.index_of(&format!("{p}_s")).is_some()).collect();
+        if phases.is_empty() {
+            return Err(format!("{}: none of the phase columns {:?} (as <phase>_s)", first.path.display(), PHASES));
+        }
+        // [rank][step in window] for one column.
+        let series = |column: &str| -> Result<Vec<Vec<f64>>, String> {
+            ranks.iter().zip(&rows).map(|(t, rows)| t.column(column).map(|values| rows.iter().map(|&r| values[r]).collect())).collect()
+        };
+        let mut phase_stats = Vec::new();
+        let mut rank_phase_s = vec![Vec::new(); ranks.len()];
+        for phase in &phases {
+            let s = series(&format!("{phase}_s"))?;
+            phase_stats.push(phase_across_ranks(phase, &s));
+            for (rank, values) in s.iter().enumerate() {
+                rank_phase_s[rank].push(mean(values));
+            }
+        }
+        let rank_step_s = match first.index_of("step_s") {
+            Some(_) => Some(series("step_s")?.iter().map(|v| mean(v)).collect()),
+            None => None,
+        };
+        let mut comm_bytes = Vec::new();
+        for collective in first.header.iter().filter_map(|h| h.strip_suffix("_bytes")).filter(|c| c.contains('.')) {
+            let s = series(&format!("{collective}_bytes"))?;
+            let per_rank = mean(&s.iter().map(|v| mean(v)).collect::<Vec<_>>());
+            if per_rank > 0.0 {
+                comm_bytes.push((collective.to_string(), per_rank));
+            }
+        }
+        let peak_rss_bytes = match first.index_of("peak_rss_bytes") {
+            Some(_) => {
+                let all = ranks.iter().map(|t| t.column("peak_rss_bytes")).collect::<Result<Vec<_>, _>>()?;
+                Some(all.iter().flatten().fold(0.0f64, |m, &v| m.max(v)) as u64)
+            }
+            None => None,
+        };
+        Ok(TimingStats { steps: window.len(), phases: phase_stats, rank_phase_s, rank_step_s, comm_bytes, peak_rss_bytes })
+    }
+}
+
+/// `series[rank][step]` of one phase → the mean over steps of the min/avg/max across ranks.
+fn phase_across_ranks(phase: &'static str, series: &[Vec<f64>]) -> PhaseStat {
+    let steps = series[0].len();
+    let at = |step: usize| series.iter().map(move |rank| rank[step]);
+    let mins: Vec<f64> = (0..steps).map(|s| at(s).fold(f64::INFINITY, f64::min)).collect();
+    let avgs: Vec<f64> = (0..steps).map(|s| at(s).sum::<f64>() / series.len() as f64).collect();
+    let maxs: Vec<f64> = (0..steps).map(|s| at(s).fold(f64::NEG_INFINITY, f64::max)).collect();
+    PhaseStat { phase, min: mean(&mins), avg: mean(&avgs), max: mean(&maxs) }
+}
+
+/// Every collective (`group.kind`) any run used, in the order they first appear.
+pub(super) fn collectives_of(runs: &[RunStats]) -> Vec<String> {
+    let mut all: Vec<String> = Vec::new();
+    for (c, _) in runs.iter().flat_map(|r| &r.timing.comm_bytes) {
+        if !all.contains(c) {
+            all.push(c.clone());
+        }
+    }
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warm_up_step_is_left_out_from_three_steps_on() {
+        assert_eq!(steady(&[1, 2]), &[1, 2]);
+        assert_eq!(steady(&[1, 2, 3]), &[2, 3]);
+    }
+
+    #[test]
+    fn phase_statistics_across_ranks() {
+        // Two ranks, two steps: rank 1 is slower by 1 s in each.
+        let s = phase_across_ranks("forward", &[vec![1.0, 3.0], vec![2.0, 4.0]]);
+        assert_eq!((s.min, s.avg, s.max), (2.0, 2.5, 3.0));
+        assert!((s.imbalance() - 0.2).abs() < 1e-12);
+    }
+}
