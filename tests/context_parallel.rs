@@ -46,9 +46,7 @@ fn every_four_rank_layout_matches_one_rank() {
                     all.extend(layout.iter().map(|x| x.as_str()));
                     let name = format!("{r}x{s}x{c}x{t}");
                     let (_, losses) = train_losses(dir.path(), &name, &tiny_deck(), Some(4), &all);
-                    for (step, (a, b)) in base.iter().zip(&losses).enumerate() {
-                        assert!((a - b).abs() < LOSS_TOL, "{name}: step {} loss {a} vs {b}", step + 1);
-                    }
+                    assert_losses_within(&name, &base, &losses, LOSS_TOL);
                     tried += 1;
                 }
             }

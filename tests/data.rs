@@ -67,7 +67,7 @@ fn global_order(order: Order, n_samples: u64, g: usize, mb: usize, dp: usize, se
     assert_eq!(accum * mb * dp, g);
     let mut out = Vec::new();
     for t in 0..steps {
-        // DESIGN.md: micro-step m of rank d takes t·G + m·dp·mb + d·mb .. + mb.
+        // docs/data.md: micro-step m of rank d takes t·G + m·dp·mb + d·mb .. + mb.
         for m in 0..accum {
             for (d, l) in loaders.iter().enumerate() {
                 assert_eq!(l.position(t, m, 0).unwrap(), t * g as u64 + (m * dp * mb + d * mb) as u64);
@@ -79,7 +79,7 @@ fn global_order(order: Order, n_samples: u64, g: usize, mb: usize, dp: usize, se
 }
 
 #[test]
-fn sequential_order_follows_design_for_dp1_and_dp2() {
+fn sequential_order_follows_docs_data_for_dp1_and_dp2() {
     let g = 8;
     let one = global_order(Order::Sequential, 1000, g, 2, 1, 5, 3);
     let two = global_order(Order::Sequential, 1000, g, 2, 2, 5, 3);

@@ -1,4 +1,4 @@
-//! Faults in a real job (issue 11): a rank that errors, a rank killed with SIGKILL, a rank that
+//! Faults in a real job: a rank that errors, a rank killed with SIGKILL, a rank that
 //! hangs, a NaN in a gradient, a checkpoint write that fails. Every fault is injected by a
 //! documented debug option (`docs/debugging.md`) or by the test itself, into the real binary
 //! under `mpirun` with four ranks.
@@ -96,6 +96,7 @@ fn assert_bitwise_equal(a: &Path, b: &Path) {
     assert_eq!(names, tools::dataset_paths(b).unwrap());
     for n in &names {
         let (xa, xb) = (tools::read_tensor(a, n).unwrap().1, tools::read_tensor(b, n).unwrap().1);
+        assert_eq!(xa.len(), xb.len(), "{n}: element count differs between {} and {}", a.display(), b.display());
         assert!(xa.iter().zip(&xb).all(|(x, y)| x.to_bits() == y.to_bits()), "{n} differs between {} and {}", a.display(), b.display());
     }
 }

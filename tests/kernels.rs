@@ -4,7 +4,7 @@
 //! Hugging Face rotate-half RoPE, SwiGLU, cross entropy over whole `[N, V]` rows, attention
 //! through the full `[Sq, Sk]` softmax of each head (causal by global position, grouped-query),
 //! plain matrix products, and AdamW, clipping and the learning-rate schedule as
-//! `/work/shared/DESIGN.md` states them. Each kernel runs in f32 (training) and in f64
+//! `docs/model.md` states them. Each kernel runs in f32 (training) and in f64
 //! (gradient checks) on the same inputs, which are rounded to f32 so that both element types
 //! see identical values. Covered on purpose: attention lengths that are not a multiple of the
 //! 64-row query block, GQA, context-parallel zigzag chunks with keys from another rank's chunk
@@ -402,14 +402,14 @@ fn gather_seq(x: &[f64], b: usize, heads: usize, s: usize, hd: usize, idx: &[usi
     out
 }
 
-/// DESIGN.md: the sequence is cut into `2·cp` equal chunks; rank `c` holds chunks `c` and `2·cp − 1 − c`.
+/// docs/parallelism.md: the sequence is cut into `2·cp` equal chunks; rank `c` holds chunks `c` and `2·cp − 1 − c`.
 fn ref_zigzag(seq_len: usize, cp: usize, rank: usize) -> Vec<usize> {
     let all: Vec<usize> = (0..seq_len).collect();
     let chunks: Vec<&[usize]> = all.chunks(seq_len / (2 * cp)).collect();
     [chunks[rank], chunks[2 * cp - 1 - rank]].concat()
 }
 
-/// One `torch.optim.AdamW` step on one tensor as DESIGN.md states it: `p ← p·(1 − lr·wd)` when
+/// One `torch.optim.AdamW` step on one tensor as docs/model.md states it: `p ← p·(1 − lr·wd)` when
 /// decayed, `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`,
 /// `p ← p − lr · (m/(1−β1^t)) / (sqrt(v/(1−β2^t)) + eps)`.
 #[allow(clippy::too_many_arguments)]
@@ -426,7 +426,7 @@ fn ref_adamw(p: &mut [f64], m: &mut [f64], v: &mut [f64], g: &[f64], t: i32, lr:
     }
 }
 
-/// DESIGN.md's schedule for 0-based step `s` of `steps`: warm-up `lr·(s+1)/warmup`, then with
+/// docs/model.md's schedule for 0-based step `s` of `steps`: warm-up `lr·(s+1)/warmup`, then with
 /// `p = (s − warmup) / max(1, steps − warmup)` cosine, linear or constant down to `min_lr`.
 fn ref_lr(schedule: Schedule, lr: f64, min_lr: f64, warmup: u64, s: u64, steps: u64) -> f64 {
     if s < warmup {
@@ -441,7 +441,7 @@ fn ref_lr(schedule: Schedule, lr: f64, min_lr: f64, warmup: u64, s: u64, steps: 
 }
 
 /// Every tensor of a model from its struct fields (not from `param_specs`), with whether
-/// DESIGN.md decays it: 2-D weights yes, norm weights no.
+/// docs/model.md decays it: 2-D weights yes, norm weights no.
 fn decay_table<T>(p: &mut ModelParams<T>) -> Vec<(String, bool, &mut Vec<T>)> {
     let mut out = vec![("embed_tokens".to_string(), true, &mut p.embed_tokens)];
     for (l, layer) in p.layers.iter_mut().enumerate() {
@@ -1057,7 +1057,7 @@ fn adamw_decays_matrices_but_not_norm_weights() {
 }
 
 #[test]
-fn lr_at_follows_design_schedules() {
+fn lr_at_follows_the_documented_schedules() {
     let (peak, min_lr) = (3e-3, 2e-4);
     for schedule in [Schedule::Cosine, Schedule::Linear, Schedule::Constant] {
         for (warmup, steps) in [(0, 10), (1, 10), (4, 37), (5, 5), (6, 3)] {

@@ -111,7 +111,7 @@ fn check_console_summary(stdout: &str) {
 }
 
 /// `metrics.csv`'s MFU is tokens/s × FLOPs per token over the stated peak of all ranks, with
-/// DESIGN.md's `6·N_matmul + 12·L·D·S` counted here by hand for the tiny deck.
+/// the `6·N_matmul + 12·L·D·S` of docs/planning.md counted here by hand for the tiny deck.
 fn check_mfu(out: &std::path::Path, peak: f64, ranks: usize) {
     let (d, l, s, f, v, hd) = (64.0, 2.0, 64.0, 192.0, 128.0, 8.0);
     let (q, kv) = (8.0 * hd, 4.0 * hd);

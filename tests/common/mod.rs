@@ -119,16 +119,25 @@ pub type RunResult = (Vec<f64>, ndtrain::model::params::ModelParams<f32>);
 /// bytes against the formulas and that clipping was active, and returns the losses and the
 /// final model (exported as Hugging Face files, read back).
 pub fn run_layout(dir: &Path, name: &str, ranks: usize, layout: &[&str]) -> RunResult {
+    run_layout_with(dir, name, ranks, EQUIV_SETS, layout)
+}
+
+/// `run_layout` with other shared overrides than `EQUIV_SETS` (another model, fewer steps):
+/// the tiny deck with `base` + `layout`. Clipping must be active in every step (pre-clip norm
+/// above the deck's `[optim] grad_clip`, so the clipping path is part of what is compared).
+pub fn run_layout_with(dir: &Path, name: &str, ranks: usize, base: &[&str], layout: &[&str]) -> RunResult {
     let export = dir.join(name).join("final_hf");
     let exp = format!("checkpoint.export_hf=\"{}\"", export.display());
-    let mut sets: Vec<&str> = EQUIV_SETS.to_vec();
+    let mut sets: Vec<&str> = base.to_vec();
     sets.extend_from_slice(layout);
     sets.push(&exp);
     let (_, losses) = train_losses(dir, name, &tiny_deck(), Some(ranks), &sets);
-    let norms = column(&dir.join(name), "grad_norm");
-    assert!(norms.iter().all(|&n| n > 0.3), "{name}: clipping must be active in every step: {norms:?}");
     let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();
+    let clip = deck.optim.grad_clip;
+    let norms = column(&dir.join(name), "grad_norm");
+    assert_eq!(norms.len(), losses.len(), "{name}: grad_norm column");
+    assert!(clip > 0.0 && norms.iter().all(|&n| n > clip), "{name}: clipping at {clip} must be active in every step: {norms:?}");
     assert_bytes_match_formula(dir, name, &deck, ranks);
     let params = ndtrain::io::hf::load_params::<f32>(&export, &deck.model).expect("exported model loads");
     (losses, params)
@@ -143,6 +152,7 @@ pub fn assert_bytes_match_formula(dir: &Path, name: &str, deck: &ndtrain::config
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
     for (i, line) in lines.enumerate() {
         let row: Vec<&str> = line.split(',').collect();
+        assert_eq!(row.len(), header.len(), "{name}: timing row {} has {} values for {} columns", i + 1, row.len(), header.len());
         for (col, value) in header.iter().zip(&row) {
             if let Some(key) = col.strip_suffix("_bytes").filter(|k| k.contains('.')) {
                 let got: u64 = value.parse().unwrap();
@@ -153,16 +163,29 @@ pub fn assert_bytes_match_formula(dir: &Path, name: &str, deck: &ndtrain::config
     }
 }
 
+/// Asserts that two runs logged the same number of steps (a truncated run fails, it is not
+/// compared on its prefix), at least one, and that every step's loss agrees within `tol`.
+/// Returns the largest |Δloss|.
+pub fn assert_losses_within(name: &str, base: &[f64], other: &[f64], tol: f64) -> f64 {
+    assert_eq!(base.len(), other.len(), "{name}: step count differs: {base:?} vs {other:?}");
+    assert!(!base.is_empty(), "{name}: no step was logged");
+    let mut worst = 0.0f64;
+    for (s, (a, b)) in base.iter().zip(other).enumerate() {
+        let d = (a - b).abs();
+        assert!(d < tol, "{name}: step {} loss {a} vs {b} (|Δ| {d:.3e}, tolerance {tol:.0e})", s + 1);
+        worst = worst.max(d);
+    }
+    worst
+}
+
 /// Asserts a layout reproduced the one-rank run: every step's loss and the final parameters.
 pub fn assert_equivalent(name: &str, base: &RunResult, other: &RunResult) {
-    assert_eq!(base.0.len(), other.0.len(), "{name}: step count");
-    let mut worst_loss = 0.0f64;
-    for (s, (a, b)) in base.0.iter().zip(&other.0).enumerate() {
-        assert!((a - b).abs() < LOSS_TOL, "{name}: step {} loss {a} vs {b}", s + 1);
-        worst_loss = worst_loss.max((a - b).abs());
-    }
+    let worst_loss = assert_losses_within(name, &base.0, &other.0, LOSS_TOL);
     let mut worst_param = 0.0f64;
-    for (i, (a, b)) in base.1.tensors().iter().zip(other.1.tensors()).enumerate() {
+    let (ta, tb) = (base.1.tensors(), other.1.tensors());
+    assert_eq!(ta.len(), tb.len(), "{name}: tensor count");
+    for (i, (a, b)) in ta.iter().zip(tb).enumerate() {
+        assert_eq!(a.len(), b.len(), "{name}: tensor {i} element count");
         let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
         let diff = a.iter().zip(b.iter()).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
         assert!(diff / scale < PARAM_TOL, "{name}: tensor {i} differs by {diff} (scale {scale})");
@@ -182,8 +205,14 @@ pub fn last_timing_value(out: &Path, rank: usize, name: &str) -> f64 {
 
 /// Runs each `(name, ranks, --set overrides)` layout and asserts it reproduces `base`.
 pub fn assert_layouts_match(dir: &Path, base: &RunResult, layouts: &[(&str, usize, &[&str])]) {
+    assert_layouts_match_with(dir, EQUIV_SETS, base, layouts);
+}
+
+/// `assert_layouts_match` on the tiny deck with `sets` instead of `EQUIV_SETS` (`base` must
+/// have been run with the same `sets`, see `run_layout_with`).
+pub fn assert_layouts_match_with(dir: &Path, sets: &[&str], base: &RunResult, layouts: &[(&str, usize, &[&str])]) {
     for (name, ranks, layout) in layouts {
-        let other = run_layout(dir, &name.replace([' ', '='], "_"), *ranks, layout);
+        let other = run_layout_with(dir, &name.replace([' ', '=', '×'], "_"), *ranks, sets, layout);
         assert_equivalent(name, base, &other);
     }
 }

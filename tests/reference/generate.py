@@ -104,7 +104,7 @@ OPTIM = dict(
 
 
 def lr_lambda(s: int) -> float:
-    """DESIGN.md schedule for 0-based step s, as a multiplier of the peak LR (for LambdaLR)."""
+    """docs/model.md's schedule for 0-based step s, as a multiplier of the peak LR (for LambdaLR)."""
     lr, min_lr, warmup, steps = OPTIM["lr"], OPTIM["min_lr"], OPTIM["warmup_steps"], OPTIM["steps"]
     if s < warmup:
         return (s + 1) / warmup
