@@ -9,7 +9,7 @@
 //! `dS = scale·P∘(dP − rowsum(dO∘O))`, `dQ = dS·K`, `dK = dSᵀ·Q`. Tensors are head-major:
 //! `q, o [B, H, Sq, hd]`, `k, v [B, KV, Sk, hd]`, `lse [B, H, Sq]`.
 
-use crate::model::attention::AttnDims;
+use crate::backend::AttnDims;
 
 /// Elements of one score buffer (1 GiB of f32): the groups are processed in chunks that fit.
 pub const SCORES_CAP: usize = 1 << 28;
@@ -147,8 +147,9 @@ mod tests {
     //! kernels re-stated in Rust. Shows the plan, offsets, strides, transposes and the
     //! backward's algebra right; the CUDA code itself is checked by `gpu-check` on a GPU.
     use super::*;
-    use crate::gpu::gemm_config;
-    use crate::model::attention::{attention_bwd, attention_fwd, zigzag_positions};
+    use crate::backend::cpu::attention::{attention_bwd, attention_fwd};
+    use crate::backend::cuda::gemm_config;
+    use crate::parallel::cp::zigzag_positions;
     use cudarc::cublas::sys::cublasOperation_t;
 
     struct Host;
@@ -244,11 +245,11 @@ mod tests {
     }
 
     fn inputs(n: usize, seed: u64) -> Vec<f32> {
-        crate::gpu::check::inputs(n, seed)
+        crate::backend::cuda::check::inputs(n, seed)
     }
 
     fn rel(a: &[f32], b: &[f32]) -> f64 {
-        crate::gpu::check::rel_err(a, b)
+        crate::backend::cuda::check::rel_err(a, b)
     }
 
     /// GQA 6 query heads on 2 kv heads, two sequences; causal, and a context-parallel piece
@@ -294,7 +295,7 @@ mod tests {
     /// the cuBLAS parameters of `gemm_config`) equal `real::linear_*`.
     #[test]
     fn the_linear_gemms_as_the_gpu_calls_them_equal_the_host_ones() {
-        use crate::gpu::backend::{linear_gemm, Linear};
+        use crate::backend::cuda::backend::{linear_gemm, Linear};
         let (m, n, k) = (6, 5, 9);
         let (x, w, dy) = (inputs(m * k, 7), inputs(n * k, 8), inputs(m * n, 9));
         let run = |which, a: &Vec<f32>, b: &Vec<f32>, len| {
@@ -304,9 +305,9 @@ mod tests {
             c
         };
         let (mut y, mut dx, mut dw) = (vec![0.0; m * n], vec![0.0; m * k], vec![0.0; n * k]);
-        crate::real::linear_fwd(&mut y, &x, &w, m, n, k, false);
-        crate::real::linear_bwd_input(&mut dx, &dy, &w, m, n, k, false);
-        crate::real::linear_bwd_weight(&mut dw, &dy, &x, m, n, k, false);
+        crate::backend::cpu::gemm::linear_fwd(&mut y, &x, &w, m, n, k, false);
+        crate::backend::cpu::gemm::linear_bwd_input(&mut dx, &dy, &w, m, n, k, false);
+        crate::backend::cpu::gemm::linear_bwd_weight(&mut dw, &dy, &x, m, n, k, false);
         assert!(rel(&run(Linear::Forward, &x, &w, m * n), &y) < 1e-6);
         assert!(rel(&run(Linear::Input, &dy, &w, m * k), &dx) < 1e-6);
         assert!(rel(&run(Linear::Weight, &dy, &x, n * k), &dw) < 1e-6);

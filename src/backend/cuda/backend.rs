@@ -10,10 +10,11 @@
 
 use super::attention::{self, AttnDevice, AttnPlan, SCORES_CAP};
 use super::{Gpu, Operand};
+use crate::backend::AttnDims;
 use crate::backend::{AdamStep, Backend, Precision};
-use crate::model::attention::AttnDims;
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use std::cell::RefCell;
+use std::ops::Range;
 use std::rc::Rc;
 
 /// A device tensor; empty (no allocation: CUDA has no zero-byte buffers) when its length is 0.
@@ -76,7 +77,7 @@ struct Shared {
 /// Blocks of the gradient-norm reduction (a fixed grid: the sum is deterministic).
 const SUM_SQ_BLOCKS: usize = 1024;
 
-/// The three GEMMs of a linear layer `y [m, n] = x [m, k] · wᵀ` (`real::linear_*`).
+/// The three GEMMs of a linear layer `y [m, n] = x [m, k] · wᵀ` (`cpu::gemm::linear_*`).
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Linear {
     /// `y = x · wᵀ`.
@@ -166,7 +167,7 @@ impl GpuBackend {
         let beta = if acc { 1.0 } else { 0.0 };
         if mnk.2 == 0 {
             if !acc {
-                ok("gemm", self.gpu().fill(c.get_mut(), 0.0));
+                ok("gemm", self.gpu().fill(&mut c.get_mut().slice_mut(..), 0.0));
             }
             return;
         }
@@ -255,9 +256,48 @@ impl Backend<f32> for GpuBackend {
         }
     }
 
+    fn resize(&self, b: &mut DevBuf<f32>, n: usize) {
+        if b.len() == n {
+            return;
+        }
+        let mut fresh = self.alloc(n);
+        let kept = b.len().min(n);
+        self.copy_range(&mut fresh, 0, b, 0..kept);
+        *b = fresh;
+    }
+
+    fn copy_range(&self, dst: &mut DevBuf<f32>, at: usize, src: &DevBuf<f32>, from: Range<usize>) {
+        if !from.is_empty() {
+            let n = from.len();
+            ok("copy_range", self.gpu().copy(&mut dst.get_mut().slice_mut(at..at + n), &src.get().slice(from)));
+        }
+    }
+
+    fn add_range(&self, dst: &mut DevBuf<f32>, at: usize, src: &DevBuf<f32>, from: Range<usize>) {
+        if !from.is_empty() {
+            let n = from.len();
+            ok("add_range", self.gpu().add_assign(&mut dst.get_mut().slice_mut(at..at + n), &src.get().slice(from)));
+        }
+    }
+
+    fn fill_range(&self, dst: &mut DevBuf<f32>, range: Range<usize>, x: f32) {
+        if !range.is_empty() {
+            ok("fill_range", self.gpu().fill(&mut dst.get_mut().slice_mut(range), x));
+        }
+    }
+
+    /// Device memory: the host stages through copies.
+    fn host<'b>(&self, _b: &'b DevBuf<f32>) -> Option<&'b [f32]> {
+        None
+    }
+
+    fn host_mut<'b>(&self, _b: &'b mut DevBuf<f32>) -> Option<&'b mut [f32]> {
+        None
+    }
+
     fn fill(&self, dst: &mut DevBuf<f32>, x: f32) {
         if let Some(d) = dst.0.as_mut() {
-            ok("fill", self.gpu().fill(d, x));
+            ok("fill", self.gpu().fill(&mut d.slice_mut(..), x));
         }
     }
 
@@ -363,7 +403,7 @@ impl Backend<f32> for GpuBackend {
 
     fn add_assign(&self, dst: &mut DevBuf<f32>, src: &DevBuf<f32>) {
         if !dst.is_empty() {
-            ok("add_assign", self.gpu().add_assign(dst.get_mut(), src.get()));
+            ok("add_assign", self.gpu().add_assign(&mut dst.get_mut().slice_mut(..), &src.get().slice(..)));
         }
     }
 
@@ -426,7 +466,7 @@ impl Backend<f32> for GpuBackend {
         }
     }
 
-    /// Batched-GEMM attention (`gpu::attention`): fp32 products, or TF32 under bf16.
+    /// Batched-GEMM attention (`cuda::attention`): fp32 products, or TF32 under bf16.
     fn attention_fwd(
         &self,
         o: &mut DevBuf<f32>,
@@ -476,27 +516,30 @@ impl Backend<f32> for GpuBackend {
         }
     }
 
-    fn sum_sq(&self, x: &DevBuf<f32>) -> f64 {
-        match x.0.as_ref() {
+    fn sum_sq(&self, x: &DevBuf<f32>, range: Range<usize>) -> f64 {
+        match x.0.as_ref().filter(|_| !range.is_empty()) {
             None => 0.0,
-            Some(x) => ok("sum_sq", self.gpu().sum_sq(x, self.shared.partials.borrow_mut().get_mut())),
+            Some(x) => ok("sum_sq", self.gpu().sum_sq(&x.slice(range), self.shared.partials.borrow_mut().get_mut())),
         }
     }
 
     fn scale(&self, x: &mut DevBuf<f32>, c: f32) {
         if let Some(x) = x.0.as_mut() {
-            ok("scale", self.gpu().scale(x, c));
+            ok("scale", self.gpu().scale(&mut x.slice_mut(..), c));
         }
     }
 
-    fn adamw(&self, p: &mut DevBuf<f32>, m: &mut DevBuf<f32>, v: &mut DevBuf<f32>, g: &DevBuf<f32>, step: &AdamStep) {
-        if !p.is_empty() {
-            ok("adamw", self.gpu().adamw(p.get_mut(), m.get_mut(), v.get_mut(), g.get(), step));
+    fn adamw(&self, p: &mut DevBuf<f32>, m: &mut DevBuf<f32>, v: &mut DevBuf<f32>, g: &DevBuf<f32>, range: Range<usize>, step: &AdamStep) {
+        if !range.is_empty() {
+            let r = range;
+            let (mut p, mut m, mut v) =
+                (p.get_mut().slice_mut(r.clone()), m.get_mut().slice_mut(r.clone()), v.get_mut().slice_mut(r.clone()));
+            ok("adamw", self.gpu().adamw(&mut p, &mut m, &mut v, &g.get().slice(r), step));
         }
     }
 }
 
-/// The GPU as the attention orchestration's device (`gpu::attention`).
+/// The GPU as the attention orchestration's device (`cuda::attention`).
 struct GpuAttn<'a> {
     be: &'a GpuBackend,
     tf32: bool,
@@ -566,10 +609,10 @@ mod tests {
     fn grouped_ids_reproduce_the_host_embedding_backward_bitwise() {
         let (n, d, offset, valid) = (200, 8, 10, 13);
         let ids: Vec<u32> = (0..n as u32).map(|i| 5 + (i * 7919) % 23).collect();
-        let dx = crate::gpu::check::inputs(n * d, 3);
-        let table = crate::gpu::check::inputs(valid * d, 4);
+        let dx = crate::backend::cuda::check::inputs(n * d, 3);
+        let table = crate::backend::cuda::check::inputs(valid * d, 4);
         let mut want = table.clone();
-        Backend::<f32>::embed_bwd(&crate::backend::Cpu::default(), &mut want, &dx, &ids.to_vec(), offset, valid, d);
+        Backend::<f32>::embed_bwd(&crate::backend::cpu::Cpu::default(), &mut want, &dx, &ids.to_vec(), offset, valid, d);
         let (uniq, starts, order) = group_ids(&ids);
         let mut got = table.clone();
         for (u, &id) in uniq.iter().enumerate() {

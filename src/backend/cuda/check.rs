@@ -1,18 +1,19 @@
 //! `ndtrain gpu-check`: every operation of the backend boundary on the GPU against the host
-//! backend (`backend::Cpu`: `model::kernels`, `model::attention`, `optim`, `real`) on the same
-//! inputs, a whole forward and backward of a small model on both, and an NCCL all-reduce per
-//! group, each with a named tolerance.
+//! backend (`backend::cpu::Cpu` and its kernels) on the same inputs, a whole forward and
+//! backward of a small model on both (one rank's hooks), and an NCCL all-reduce per group, each
+//! with a named tolerance.
 
 use super::backend::{DevBuf, GpuBackend};
 use super::Gpu;
-use crate::backend::{AdamStep, Backend, Cpu, Precision};
-use crate::comm::Group;
+use crate::backend::cpu::Cpu;
+use crate::backend::{AdamStep, AttnDims, Backend, Precision};
 use crate::config::{ActCkpt, ModelCfg};
-use crate::model::attention::{zigzag_positions, AttnDims};
-use crate::model::kernels;
+use crate::model::hooks::Hooks;
 use crate::model::params::{Dims, ModelParams};
-use crate::model::{Model, Par, Tokens};
-use crate::train_device::Alone;
+use crate::model::positions::rope_tables;
+use crate::model::{Model, Tokens};
+use crate::parallel::comm::Group;
+use crate::parallel::cp::zigzag_positions;
 use cudarc::nccl::ReduceOp;
 
 /// The result of one comparison.
@@ -89,13 +90,14 @@ pub fn check_backend(gpu: &GpuBackend) -> Vec<Check> {
     let (q_pos, k_pos) = (zigzag_positions(s, 2, 0), zigzag_positions(s, 2, 1));
     c.attention("zigzag cp piece", &q_pos, &k_pos);
     c.optimiser();
+    c.ranges();
     c.model(ActCkpt::None);
     c.model(ActCkpt::Full);
     let mut out = c.out;
     // Mixed precision: the same GEMMs on bf16 operands.
     let mut bf16 = gpu.clone();
     bf16.set_precision(Precision::Bf16);
-    let mut c = Pair { cpu: Cpu { precision: Precision::Bf16 }, gpu: bf16, out: vec![] };
+    let mut c = Pair { cpu: Cpu { precision: Precision::Bf16, staged: false }, gpu: bf16, out: vec![] };
     c.bf16_gemms();
     c.model(ActCkpt::None);
     out.append(&mut c.out);
@@ -191,7 +193,7 @@ impl Pair {
 
         // RoPE at positions that are not 0..S (a context-parallel rank's zigzag positions).
         let (b, s, nh, hd) = (2, 48, 3, 64);
-        let (cos, sin) = kernels::rope_tables::<f32>(&zigzag_positions(2 * s, 2, 1), hd, 500000.0);
+        let (cos, sin) = rope_tables::<f32>(&zigzag_positions(2 * s, 2, 1), hd, 500000.0);
         let (cosd, sind) = (self.up(&cos), self.up(&sin));
         let src = inputs(b * s * nh * hd, 12);
         let srcd = self.up(&src);
@@ -335,15 +337,44 @@ impl Pair {
             for t in 1..=3u64 {
                 let g = inputs(len, 100 + t);
                 let step = AdamStep::new(t, 1e-3 * t as f64, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, decayed);
-                self.cpu.adamw(&mut p, &mut m, &mut v, &g, &step);
-                self.gpu.adamw(&mut pd, &mut md, &mut vd, &self.up(&g), &step);
+                self.cpu.adamw(&mut p, &mut m, &mut v, &g, 0..len, &step);
+                self.gpu.adamw(&mut pd, &mut md, &mut vd, &self.up(&g), 0..len, &step);
             }
             self.cmp(format!("adamw, 3 steps (decayed = {decayed}): parameters"), &pd, &p, F32_TOL);
             self.cmp(format!("adamw, 3 steps (decayed = {decayed}): exp_avg_sq"), &vd, &v, F32_TOL);
         }
         let g = inputs(3_000_017, 9);
-        let (a, b) = (self.cpu.sum_sq(&g), self.gpu.sum_sq(&self.up(&g)));
+        let (a, b) = (self.cpu.sum_sq(&g, 0..g.len()), self.gpu.sum_sq(&self.up(&g), 0..g.len()));
         self.scalar("Σ x² (the gradient norm), f64", b, a, 1e-12);
+    }
+
+    /// The operations on parts of a buffer that the sharded model state uses (a tensor's
+    /// place in a shard): copies, adds and fills of ranges, resizing, Σ x² and one AdamW step
+    /// of a range, all exact but the last two.
+    fn ranges(&mut self) {
+        let (n, r) = (40_009, 1_234..31_234);
+        let (a, b) = (inputs(n, 21), inputs(n, 22));
+        let (mut c, mut cd) = (a.clone(), self.up(&a));
+        let bd = self.up(&b);
+        self.cpu.copy_range(&mut c, 7, &b, r.clone());
+        self.gpu.copy_range(&mut cd, 7, &bd, r.clone());
+        self.cpu.add_range(&mut c, 11, &b, r.clone());
+        self.gpu.add_range(&mut cd, 11, &bd, r.clone());
+        self.cpu.fill_range(&mut c, 100..2_000, 0.0);
+        self.gpu.fill_range(&mut cd, 100..2_000, 0.0);
+        self.cpu.resize(&mut c, n + 500);
+        self.gpu.resize(&mut cd, n + 500);
+        self.cpu.resize(&mut c, n - 9);
+        self.gpu.resize(&mut cd, n - 9);
+        self.cmp("copy/add/fill of ranges, resize", &cd, &c, 0.0);
+        let (s, sd) = (self.cpu.sum_sq(&c, r.clone()), self.gpu.sum_sq(&cd, r.clone()));
+        self.scalar("Σ x² of a range, f64", sd, s, 1e-12);
+        let (mut m, mut v, mut md, mut vd) = (vec![0.0; c.len()], vec![0.0; c.len()], self.gpu.zeros(c.len()), self.gpu.zeros(c.len()));
+        let g = inputs(c.len(), 23);
+        let step = AdamStep::new(1, 1e-3, 0.9, 0.95, 1e-8, 0.1, true);
+        self.cpu.adamw(&mut c, &mut m, &mut v, &g, r.clone(), &step);
+        self.gpu.adamw(&mut cd, &mut md, &mut vd, &self.up(&g), r, &step);
+        self.cmp("adamw of a range (the rest untouched)", &cd, &c, F32_TOL);
     }
 
     /// One micro-batch forward and backward of a two-block model (GQA, untied head, a
@@ -368,17 +399,16 @@ impl Pair {
         let tok = Tokens { inputs: &inputs_, targets: &targets, positions: &positions, batch: b, seq: s };
         let scale = 1.0 / (b * s) as f32;
 
-        let mut cpu_model = Model::<f32, Cpu>::on(self.cpu, Dims::full(&cfg), ckpt, false);
+        let mut cpu_model = Model::<f32, Cpu>::on(self.cpu, Dims::full(&cfg), ckpt);
         let mut cpu_grads = ModelParams::<f32>::zeros(&cfg);
-        let loss = cpu_model.forward_with(&mut &host, &tok, Par::single());
-        cpu_model.backward_with(&mut &host, &mut cpu_grads, scale, Par::single());
+        let loss = cpu_model.forward_with(&mut &host, &tok, Hooks::one_rank());
+        cpu_model.backward_with(&mut &host, &mut cpu_grads, scale, Hooks::one_rank());
 
         let dev = host.map(|t| self.up(t));
         let mut dev_grads = host.map(|t| self.gpu.zeros(t.len()));
-        let mut gpu_model = Model::<f32, GpuBackend>::on(self.gpu.clone(), Dims::full(&cfg), ckpt, false);
-        let par = Par { tp: &Alone, cp: &Alone, progress: crate::model::no_progress };
-        let loss_d = gpu_model.forward_with(&mut &dev, &tok, par);
-        gpu_model.backward_with(&mut &dev, &mut dev_grads, scale, par);
+        let mut gpu_model = Model::<f32, GpuBackend>::on(self.gpu.clone(), Dims::full(&cfg), ckpt);
+        let loss_d = gpu_model.forward_with(&mut &dev, &tok, Hooks::one_rank());
+        gpu_model.backward_with(&mut &dev, &mut dev_grads, scale, Hooks::one_rank());
 
         let precision = self.cpu.precision;
         let tag = format!("model fwd+bwd ({precision:?}, checkpointing {})", ckpt.name());

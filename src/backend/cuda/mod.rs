@@ -5,7 +5,7 @@
 //! (`kernels.cu`: RMSNorm, RoPE with the head transposes, SwiGLU, residual adds, embedding,
 //! cross entropy, attention's softmax and score gradients, AdamW, the gradient norm, bf16
 //! conversions) compiled once at start by NVRTC for the device's architecture, the
-//! [`backend::GpuBackend`] that runs the model and the one-device training loop on them, NCCL
+//! [`backend::GpuBackend`] that runs the model and the training loop on them, NCCL
 //! communicators bootstrapped over an MPI group, and `ndtrain gpu-check` ([`check`]), which
 //! runs every backend operation against the host backend (`docs/gpu.md`).
 //!
@@ -17,12 +17,12 @@ pub mod attention;
 pub mod backend;
 pub mod check;
 
-use crate::comm::Group;
+use crate::parallel::comm::Group;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::{CudaBlas, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nccl::{Comm, Id};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
@@ -444,8 +444,8 @@ impl Gpu {
         Self::launch("swiglu_bwd", l, elementwise(n))
     }
 
-    /// `dst += src` (the residual adds).
-    pub fn add_assign(&self, dst: &mut CudaSlice<f32>, src: &CudaSlice<f32>) -> Result<(), String> {
+    /// `dst += src` (the residual adds, and a reduced shard added into another).
+    pub fn add_assign(&self, dst: &mut CudaViewMut<'_, f32>, src: &CudaView<'_, f32>) -> Result<(), String> {
         need("add_assign", src.len() >= dst.len())?;
         let n = dst.len() as i64;
         let mut l = self.launcher("add_assign");
@@ -588,10 +588,10 @@ impl Gpu {
     /// One AdamW update of one tensor with the coefficients `optim::AdamW` computes.
     pub fn adamw(
         &self,
-        p: &mut CudaSlice<f32>,
-        m: &mut CudaSlice<f32>,
-        v: &mut CudaSlice<f32>,
-        g: &CudaSlice<f32>,
+        p: &mut CudaViewMut<'_, f32>,
+        m: &mut CudaViewMut<'_, f32>,
+        v: &mut CudaViewMut<'_, f32>,
+        g: &CudaView<'_, f32>,
         step: &crate::backend::AdamStep,
     ) -> Result<(), String> {
         let n = p.len();
@@ -654,14 +654,14 @@ impl Gpu {
         Self::launch("embed_bwd", l, per_row(u))
     }
 
-    pub fn fill(&self, x: &mut CudaSlice<f32>, v: f32) -> Result<(), String> {
+    pub fn fill(&self, x: &mut CudaViewMut<'_, f32>, v: f32) -> Result<(), String> {
         let n = x.len() as i64;
         let mut l = self.launcher("fill_f32");
         l.arg(x).arg(&v).arg(&n);
         Self::launch("fill_f32", l, elementwise(n as usize))
     }
 
-    pub fn scale(&self, x: &mut CudaSlice<f32>, c: f32) -> Result<(), String> {
+    pub fn scale(&self, x: &mut CudaViewMut<'_, f32>, c: f32) -> Result<(), String> {
         let n = x.len() as i64;
         let mut l = self.launcher("scale_f32");
         l.arg(x).arg(&c).arg(&n);
@@ -669,7 +669,7 @@ impl Gpu {
     }
 
     /// `Σ x²` in f64: per-block partials on the GPU, added in block order here.
-    pub fn sum_sq(&self, x: &CudaSlice<f32>, partials: &mut CudaSlice<f64>) -> Result<f64, String> {
+    pub fn sum_sq(&self, x: &CudaView<'_, f32>, partials: &mut CudaSlice<f64>) -> Result<f64, String> {
         let n = x.len();
         let blocks = partials.len().min(n.div_ceil(BLOCK as usize)).max(1);
         let n64 = n as i64;
@@ -705,6 +705,12 @@ impl Gpu {
         }
         Comm::from_rank(self.stream.clone(), group.rank(), group.size(), Id::uninit(internal))
             .map_err(|e| format!("ncclCommInitRank ({} ranks in {}): {e:?}", group.size(), group.name()))
+    }
+
+    /// `dst = src` on the device (same lengths).
+    pub fn copy(&self, dst: &mut CudaViewMut<'_, f32>, src: &CudaView<'_, f32>) -> Result<(), String> {
+        need("copy", src.len() == dst.len())?;
+        self.stream.memcpy_dtod(src, dst).map_err(err("device copy"))
     }
 
     pub fn synchronize(&self) -> Result<(), String> {
