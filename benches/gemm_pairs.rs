@@ -1,7 +1,7 @@
 //! Two independent GEMMs on two threads: each split across both threads (one band of the
-//! output per thread, `real::matmul`), one after the other, as `real::linear_bwd_input` +
-//! `real::linear_bwd_weight` do; against the two side by side, one whole GEMM per thread
-//! (`real::linear_bwd`, `real::linear_fwd_pair`); with one thread as the baseline. The shapes
+//! output per thread, `backend::cpu::gemm::matmul`), one after the other, as `linear_bwd_input` +
+//! `linear_bwd_weight` do; against the two side by side, one whole GEMM per thread
+//! (`linear_bwd`, `linear_fwd_pair`); with one thread as the baseline. The shapes
 //! are `bench_small`'s linear layers (N = 2048 tokens).
 //!
 //! The three ways alternate inside every repetition (1T, 2T split, 2T side by side, …), so a

@@ -1,5 +1,5 @@
 //! Does Open MPI move a non-blocking collective while the ranks compute? Progress calls
-//! against a progress thread, measured (issue 9). Run on two ranks (`benches/mpi_progress.sh`).
+//! against a progress thread, measured. Run on two ranks (`benches/mpi_progress.sh`).
 //!
 //! Each rank starts an `MPI_Iallreduce` of `bytes`, computes for a fixed amount of work (GEMMs
 //! of the model's shape, about as long as one block's backward on bench_small), then waits.

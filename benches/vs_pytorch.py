@@ -88,16 +88,16 @@ def _timed(f):
     return time.perf_counter() - s
 
 
-def ndtrain_gemm_flops(threads):
+def ndtrain_gemm_flops(binary, threads):
     """`ndtrain probe`: the gemm crate's f32 1024^3 GEMM on these threads (FLOP/s)."""
-    out = subprocess.run([os.path.join(REPO, "target/release/ndtrain"), "probe", "--threads", str(threads)],
+    out = subprocess.run([binary, "probe", "--threads", str(threads)],
                          check=True, capture_output=True, text=True).stdout
     line = next(l for l in out.splitlines() if l.startswith("f32 GEMM"))
     return float(line.split(":")[1].split()[0])
 
 
-def run_ndtrain(deck, threads, steps, warmup, out):
-    args = [os.path.join(REPO, "target/release/ndtrain"), "train", deck, "--set", f"run.steps={steps + warmup}",
+def run_ndtrain(binary, deck, threads, steps, warmup, out):
+    args = [binary, "train", deck, "--set", f"run.steps={steps + warmup}",
             "--set", f"run.threads={threads}", "--set", f'run.out_dir="{out}"', "--set", "optim.warmup_steps=1",
             "--set", "log.every=1000"]
     env = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1")
@@ -114,6 +114,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--ndtrain", default=os.path.join(REPO, "target/release/ndtrain"),
+                    help="the ndtrain binary; several, comma-separated, run one after the other in every round "
+                         "(e.g. two builds of ndtrain side by side); the first is the one the summary compares")
     ap.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.torch_worker:
@@ -125,22 +128,28 @@ def main():
     fpt = flops_per_token(m, t["seq_len"])
     print(f"deck {a.deck}: {tokens} tokens/step, {fpt * tokens / 1e9:.1f} GFLOP/step; {a.threads} thread(s), "
           f"{a.rounds} rounds of {a.steps} steps after {a.warmup} warm-up, A B A B ...")
+    binaries = a.ndtrain.split(",")
+    others = {b: [] for b in binaries[1:]}
     nd, pt, ceilings, mkl, crate, ratios = [], [], [], [], [], []
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
     for r in range(a.rounds):
-        s_nd, _ = run_ndtrain(a.deck, a.threads, a.steps, a.warmup, f"/tmp/vs_pytorch_nd_{r}")
+        s_nd, _ = run_ndtrain(binaries[0], a.deck, a.threads, a.steps, a.warmup, f"/tmp/vs_pytorch_nd_{r}")
+        for i, b in enumerate(binaries[1:]):
+            s_other, _ = run_ndtrain(b, a.deck, a.threads, a.steps, a.warmup, f"/tmp/vs_pytorch_nd{i + 1}_{r}")
+            others[b].append(s_other)
+            print(f"round {r + 1}: {b} {s_other:.3f} s/step", flush=True)
         res = subprocess.run([sys.executable, __file__, "--torch-worker", "--deck", a.deck, "--threads", str(a.threads),
                               "--steps", str(a.steps), "--warmup", str(a.warmup)], check=True, capture_output=True,
                              text=True, env=env)
         w = json.loads(res.stdout.strip().splitlines()[-1])
-        g = ndtrain_gemm_flops(a.threads)
+        g = ndtrain_gemm_flops(binaries[0], a.threads)
         nd.append(s_nd)
         pt.append(w["step_s"])
         mkl.append(w["gemm_flops"])
         crate.append(g)
         ceilings.append(max(w["gemm_flops"], g))
         ratios.append(w["step_s"] / s_nd)
-        print(f"round {r + 1}: ndtrain {s_nd:.3f} s/step, PyTorch {w['torch']} {w['step_s']:.3f} s/step, "
+        print(f"round {r + 1}: {binaries[0]} {s_nd:.3f} s/step, PyTorch {w['torch']} {w['step_s']:.3f} s/step, "
               f"ratio {w['step_s'] / s_nd:.3f}; GEMM 1024^3: MKL {w['gemm_flops'] / 1e9:.1f}, gemm crate {g / 1e9:.1f} GFLOP/s",
               flush=True)
     ceiling = statistics.median(ceilings)
@@ -151,6 +160,11 @@ def main():
     for name, s in (("ndtrain", statistics.median(nd)), ("PyTorch + transformers", statistics.median(pt))):
         gf = fpt * tokens / s
         print(f"| {name} | {s:.3f} | {tokens / s:.0f} | {gf / 1e9:.1f} | {100 * gf / ceiling:.1f} % |")
+    for b, times in others.items():
+        pair = [o / n for o, n in zip(times, nd)]
+        print(f"| {b} | {statistics.median(times):.3f} | {tokens / statistics.median(times):.0f} | | |  "
+              f"(s/step over {binaries[0]}'s in the same round: median {statistics.median(pair):.3f}, "
+              f"rounds {', '.join(f'{x:.3f}' for x in pair)})")
     print(f"\nceiling (median of rounds): {ceiling / 1e9:.1f} GFLOP/s on {a.threads} thread(s); "
           f"ndtrain speed-up over PyTorch: median of pair-wise ratios {statistics.median(ratios):.3f} "
           f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")

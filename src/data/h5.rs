@@ -1,5 +1,5 @@
 //! HDF5 token source: a 1-D integer dataset (any integer width) read one sample at a time by
-//! hyperslab through `hdf5io`, so a rank reads only the tokens of the samples it takes.
+//! hyperslab through `io::hdf5`, so a rank reads only the tokens of the samples it takes.
 //! Knows nothing of the `hdf5` crate itself, of order or of batching.
 
 use std::path::Path;

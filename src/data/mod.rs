@@ -6,7 +6,7 @@
 //! `(t, global_batch, order, seed)`, so a run resumes at the same place under any layout.
 //! Knows nothing of MPI (a rank is told its `dp_rank`), of context parallelism (it returns
 //! whole sequences; the CP zigzag split is applied by the caller) or of the model. Only
-//! `hdf5io` touches the `hdf5` crate. `prepare` turns a text file into a token file.
+//! `io::hdf5` touches the `hdf5` crate. `prepare` turns a text file into a token file.
 //!
 //! Legend: `B` micro-batch (sequences per rank per micro-step), `S` sequence length,
 //! `G` global batch (sequences per optimiser step), `dp` data-parallel degree.

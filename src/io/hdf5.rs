@@ -458,7 +458,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hdf5io_reads_any_integer_dtype_as_u32() {
+    fn token_files_of_any_integer_dtype_read_as_u32() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.h5");
         {
@@ -496,7 +496,7 @@ mod tests {
     }
 
     #[test]
-    fn hdf5io_write_tokens_round_trip() {
+    fn written_token_files_read_back() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("w.h5");
         let toks: Vec<u32> = vec![0, 70_000, 5, 4_000_000_000];

@@ -53,10 +53,10 @@ pub(super) enum ActsRole {
 /// Element counts of every field of [`BlockActs`], in declaration order: what `alloc`
 /// allocates and what the planner predicts (one function, so the two cannot drift apart).
 pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole) -> [usize; 15] {
-    let (d, f, hd) = (m.d, m.ffn, m.hd);
+    let (d, f, hd) = (m.d, m.ffn_local, m.hd);
     let nl = rows.local;
-    let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
-    let all = [nl * d, nl, nl * d, n * qd, n * kvd, n * kvd, n * qd, n * m.heads, n * qd, nl * d, nl, nl * d, n * f, n * f, n * f];
+    let (qd, kvd) = (m.heads_local * hd, m.kv_heads_local * hd);
+    let all = [nl * d, nl, nl * d, n * qd, n * kvd, n * kvd, n * qd, n * m.heads_local, n * qd, nl * d, nl, nl * d, n * f, n * f, n * f];
     let keep = |i: usize| match (ckpt, role) {
         (ActCkpt::None, ActsRole::Saved) | (ActCkpt::Full, ActsRole::Scratch) => true,
         (ActCkpt::None, ActsRole::Scratch) => false,
@@ -131,8 +131,8 @@ pub(super) struct BlockGrads<V> {
 /// Element counts of every field of [`BlockGrads`], in declaration order (see
 /// [`block_acts_lens`]).
 pub(super) fn block_grads_lens(m: &Dims, n: usize, rows: Rows) -> [usize; 15] {
-    let (d, f, hd) = (m.d, m.ffn, m.hd);
-    let (qd, kvd) = (m.heads * hd, m.kv_heads * hd);
+    let (d, f, hd) = (m.d, m.ffn_local, m.hd);
+    let (qd, kvd) = (m.heads_local * hd, m.kv_heads_local * hd);
     let full = rows.gathered * d;
     [rows.local * d, rows.local * d, full, full, n * f, n * f, n * f, n * qd, n * kvd, n * qd, n * qd, n * kvd, n * kvd, n * qd, n * kvd]
 }

@@ -27,7 +27,7 @@ pub(super) struct BlockCtx<'a, T: Real, B: Backend<T>> {
 
 impl<T: Real, B: Backend<T>> BlockCtx<'_, T, B> {
     fn attn_dims(&self) -> AttnDims {
-        AttnDims { b: self.b, h: self.m.heads, kv: self.m.kv_heads, sq: self.s, sk: self.s, hd: self.m.hd }
+        AttnDims { b: self.b, h: self.m.heads_local, kv: self.m.kv_heads_local, sq: self.s, sk: self.s, hd: self.m.hd }
     }
 }
 
@@ -45,8 +45,8 @@ pub(super) fn block_fwd<T: Real, B: Backend<T>>(
 ) {
     let (be, m, tp) = (ctx.be, ctx.m, ctx.hooks.tp);
     let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
-    let (d, f, hd) = (m.d, m.ffn, m.hd);
-    let (nh, nkv) = (m.heads, m.kv_heads);
+    let (d, f, hd) = (m.d, m.ffn_local, m.hd);
+    let (nh, nkv) = (m.heads_local, m.kv_heads_local);
     let rope = Some((ctx.cos, ctx.sin));
     // Between the block's large pieces of work, communication in flight moves.
     let poke = ctx.hooks.progress;
@@ -87,7 +87,7 @@ pub(super) fn block_fwd<T: Real, B: Backend<T>>(
 pub(super) fn recompute_cheap<T: Real, B: Backend<T>>(ctx: &BlockCtx<T, B>, w: &Layer<B::Buf>, a: &mut BlockActs<B::Buf>) {
     let (be, m) = (ctx.be, ctx.m);
     be.rmsnorm_fwd(&mut a.xn1, &mut a.rstd1, &a.x, &w.input_layernorm, m.d, m.norm_eps);
-    be.heads_to_tokens(&mut a.att_tok, &a.att, ctx.b, ctx.s, m.heads, m.hd, None);
+    be.heads_to_tokens(&mut a.att_tok, &a.att, ctx.b, ctx.s, m.heads_local, m.hd, None);
     be.rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, m.d, m.norm_eps);
     be.swiglu_fwd(&mut a.h, &a.gate, &a.up);
 }
@@ -104,8 +104,8 @@ pub(super) fn block_bwd<T: Real, B: Backend<T>>(
 ) {
     let (be, m, tp) = (ctx.be, ctx.m, ctx.hooks.tp);
     let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
-    let (d, f, hd) = (m.d, m.ffn, m.hd);
-    let (nh, nkv) = (m.heads, m.kv_heads);
+    let (d, f, hd) = (m.d, m.ffn_local, m.hd);
+    let (nh, nkv) = (m.heads_local, m.kv_heads_local);
     let rope = Some((ctx.cos, ctx.sin));
     let poke = ctx.hooks.progress;
 

@@ -154,7 +154,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         ActivationMemory {
             saved: 4 * m.layers * acts(ActsRole::Saved),
             recompute: 4 * acts(ActsRole::Scratch),
-            logits: 4 * n * m.vocab,
+            logits: 4 * n * m.vocab_local,
             head: 4 * head,
             // Block gradients, the residual's gradient, and the loss's two row scratches.
             backward: 4 * (grads + nl * m.d + 2 * n),
@@ -167,7 +167,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         }
         let n = b * s;
         let nl = rows.local;
-        let (d, v) = (self.m.d, self.m.vocab);
+        let (d, v) = (self.m.d, self.m.vocab_local);
         let be = &self.be;
         self.saved = (0..self.m.layers).map(|_| BlockActs::alloc(be, &self.m, n, rows, self.ckpt, ActsRole::Saved)).collect();
         self.scratch = BlockActs::alloc(be, &self.m, n, rows, self.ckpt, ActsRole::Scratch);
@@ -228,7 +228,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         self.be.set_ids(&mut self.inputs, tok.inputs);
         self.be.set_ids(&mut self.targets, tok.targets);
         let be = &self.be;
-        let (d, v, nl) = (self.m.d, self.m.vocab, self.m.layers);
+        let (d, v, nl) = (self.m.d, self.m.vocab_local, self.m.layers);
         let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s };
 
         // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp
@@ -260,7 +260,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             w.block_done(l);
         }
         self.scratch_is_last_block = nl > 0;
-        self.attn_pairs += hooks.attention.visible_pairs(&self.positions) * (b * self.m.heads * nl) as u64;
+        self.attn_pairs += hooks.attention.visible_pairs(&self.positions) * (b * self.m.heads_local * nl) as u64;
         let g = w.globals();
         // Final norm, output projection [N, V_local], vocab-parallel cross entropy: the row
         // maximum, the sum of exponentials and the target logit are each reduced across tp, so
@@ -292,7 +292,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         let (b, s) = self.bs;
         let n = b * s;
         let be = &self.be;
-        let (d, v, nl) = (self.m.d, self.m.vocab, self.m.layers);
+        let (d, v, nl) = (self.m.d, self.m.vocab_local, self.m.layers);
         let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
         let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s };
 

@@ -57,24 +57,24 @@ pub enum ParamKind {
 }
 
 /// The sizes of one rank's copy of the model: the deck's `[model]`, divided by the tp degree
-/// where tensor parallelism splits it.
+/// where tensor parallelism splits it (those end in `_local`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dims {
     /// Vocabulary rows on this rank: `ceil(V / tp)` (the last rank's rows past `V` are padding).
+    pub vocab_local: usize,
+    /// The deck's vocabulary size `V`.
     pub vocab: usize,
-    /// The deck's vocabulary size.
-    pub vocab_global: usize,
     /// First global vocabulary row this rank holds.
     pub vocab_offset: usize,
     pub d: usize,
     pub layers: usize,
     /// Query heads on this rank (`H_local`).
-    pub heads: usize,
+    pub heads_local: usize,
     /// Key/value heads on this rank (`KV_local`).
-    pub kv_heads: usize,
+    pub kv_heads_local: usize,
     pub hd: usize,
     /// FFN hidden features on this rank (`F_local`).
-    pub ffn: usize,
+    pub ffn_local: usize,
     pub rope_theta: f64,
     pub norm_eps: f64,
     pub tie: bool,
@@ -85,17 +85,17 @@ pub struct Dims {
 impl Dims {
     /// This rank's sizes; the deck is already validated (`tp` divides the heads and the FFN).
     pub fn new(cfg: &ModelCfg, tp: usize, tp_rank: usize) -> Dims {
-        let vocab = cfg.vocab_size.div_ceil(tp);
+        let vocab_local = cfg.vocab_size.div_ceil(tp);
         Dims {
-            vocab,
-            vocab_global: cfg.vocab_size,
-            vocab_offset: tp_rank * vocab,
+            vocab_local,
+            vocab: cfg.vocab_size,
+            vocab_offset: tp_rank * vocab_local,
             d: cfg.d_model,
             layers: cfg.n_layers,
-            heads: cfg.n_heads / tp,
-            kv_heads: cfg.n_kv_heads / tp,
+            heads_local: cfg.n_heads / tp,
+            kv_heads_local: cfg.n_kv_heads / tp,
             hd: cfg.head_dim(),
-            ffn: cfg.ffn_hidden / tp,
+            ffn_local: cfg.ffn_hidden / tp,
             rope_theta: cfg.rope_theta,
             norm_eps: cfg.norm_eps,
             tie: cfg.tie_embeddings,
@@ -111,7 +111,7 @@ impl Dims {
 
     /// Vocabulary rows of this rank that are real tokens (the rest is padding).
     pub fn vocab_valid(&self) -> usize {
-        self.vocab_global.saturating_sub(self.vocab_offset).min(self.vocab)
+        self.vocab.saturating_sub(self.vocab_offset).min(self.vocab_local)
     }
 }
 
@@ -173,8 +173,8 @@ pub fn param_specs(cfg: &ModelCfg) -> Vec<ParamSpec> {
 /// Every parameter as this tp rank holds it, in the order of `tensors()`.
 pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
     let (d, tp) = (m.d, m.tp);
-    let (q, kv, f) = (m.heads * m.hd, m.kv_heads * m.hd, m.ffn);
-    let vg = m.vocab_global;
+    let (q, kv, f) = (m.heads_local * m.hd, m.kv_heads_local * m.hd, m.ffn_local);
+    let vg = m.vocab;
     let spec = |name: String, shape: Vec<usize>, split: TpSplit, kind| {
         let global_shape = match split {
             TpSplit::Replicated => shape.clone(),
@@ -185,7 +185,7 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
         ParamSpec { name, shape, global_shape, kind, split, tp_rank: m.tp_rank }
     };
     use TpSplit::*;
-    let mut out = vec![spec("model.embed_tokens.weight".into(), vec![m.vocab, d], Rows, ParamKind::Matrix)];
+    let mut out = vec![spec("model.embed_tokens.weight".into(), vec![m.vocab_local, d], Rows, ParamKind::Matrix)];
     for i in 0..m.layers {
         let p = format!("model.layers.{i}.");
         out.push(spec(format!("{p}input_layernorm.weight"), vec![d], Replicated, ParamKind::Norm));
@@ -200,7 +200,7 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
     }
     out.push(spec("model.norm.weight".into(), vec![d], Replicated, ParamKind::Norm));
     if !m.tie {
-        out.push(spec("lm_head.weight".into(), vec![m.vocab, d], Rows, ParamKind::Matrix));
+        out.push(spec("lm_head.weight".into(), vec![m.vocab_local, d], Rows, ParamKind::Matrix));
     }
     out
 }
@@ -255,8 +255,8 @@ impl<V> Layer<V> {
     /// A block of this rank's shapes, each tensor from `alloc(elements)` (host vectors, or a
     /// backend's buffers).
     pub fn alloc(m: &Dims, mut alloc: impl FnMut(usize) -> V) -> Self {
-        let (d, f) = (m.d, m.ffn);
-        let (q, kv) = (m.heads * m.hd, m.kv_heads * m.hd);
+        let (d, f) = (m.d, m.ffn_local);
+        let (q, kv) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
         Layer {
             input_layernorm: alloc(d),
             q_proj: alloc(q * d),
@@ -319,7 +319,7 @@ impl<V> Params<V> {
     /// This rank's tensors (`m.layers` blocks), each from `alloc(elements)` (host vectors, or
     /// a backend's buffers).
     pub fn alloc(m: &Dims, mut alloc: impl FnMut(usize) -> V) -> Self {
-        let (v, d) = (m.vocab, m.d);
+        let (v, d) = (m.vocab_local, m.d);
         Params {
             embed_tokens: alloc(v * d),
             layers: (0..m.layers).map(|_| Layer::alloc(m, &mut alloc)).collect(),

@@ -44,7 +44,7 @@ pub fn predicted_ring_bytes(m: &Dims, micro_batch: usize, seq_local: usize, cp: 
     if cp == 1 {
         return 0;
     }
-    let kv = (2 * micro_batch * m.kv_heads * seq_local * m.hd * 4) as u64;
+    let kv = (2 * micro_batch * m.kv_heads_local * seq_local * m.hd * 4) as u64;
     let (c, l) = (cp as u64, m.layers as u64);
     // Forward: c − 1 shifts of K/V per block; backward: c − 1 of K/V and c of dK/dV; `full`
     // recomputes every block but the last (its forward again).
@@ -77,7 +77,7 @@ pub fn ring_scratch_elements(m: &Dims, b: usize, s_local: usize, cp: usize) -> u
         return 0;
     }
     let n = b * s_local;
-    4 * n * m.kv_heads * m.hd + n * m.heads * m.hd + n * m.heads
+    4 * n * m.kv_heads_local * m.hd + n * m.heads_local * m.hd + n * m.heads_local
 }
 
 /// The ring's buffers (see [`ring_scratch_elements`]) and the positions every rank of the ring

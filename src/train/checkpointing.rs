@@ -4,7 +4,6 @@
 //! console. Every rank reads and writes only its own slices.
 
 use super::state::ModelState;
-use super::{AgreedFailure, Error};
 use crate::backend::Backend;
 use crate::config::Resolved;
 use crate::io::checkpoint::{self as ckpt, DataState, LoadError, Meta, WriteControl, WriterLayout};
@@ -12,6 +11,7 @@ use crate::metrics::{peak_rss_bytes, rss_bytes, CheckpointIo, CheckpointIoLog};
 use crate::parallel::mesh::Mesh;
 use crate::run::faults;
 use crate::run::watchdog::beat;
+use crate::run::{AgreedFailure, Error};
 use crate::say;
 use std::path::{Path, PathBuf};
 use std::time::Instant;

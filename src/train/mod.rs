@@ -32,24 +32,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use step::{say_skipped, StepOutcome, Trainer};
 
-pub type Error = Box<dyn std::error::Error + Send + Sync>;
-
-/// A failure every rank detected at the same point from the same globally reduced values (a
-/// non-finite loss or gradient norm, a checkpoint write that failed somewhere): no rank is left
-/// inside a collective, so they all finalise MPI and exit non-zero together. `message` is set
-/// on the one rank that reports it, so the job prints it once.
-#[derive(Debug)]
-pub struct AgreedFailure {
-    pub message: Option<String>,
-}
-
-impl std::fmt::Display for AgreedFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.message.as_deref().unwrap_or("the run failed on every rank (reported by another rank)"))
-    }
-}
-
-impl std::error::Error for AgreedFailure {}
+pub use crate::run::{AgreedFailure, Error};
 
 /// What a finished run reports to its caller (tests read it; the console has printed it).
 #[derive(Clone, Debug)]

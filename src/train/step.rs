@@ -7,7 +7,6 @@
 //! to summation order (`docs/model.md`).
 
 use super::state::{ModelState, Start};
-use super::{AgreedFailure, Error};
 use crate::backend::Backend;
 use crate::config::{OnNonFinite, OptimCfg, Resolved};
 use crate::data::{open_source, Loader, TokenSource};
@@ -21,6 +20,7 @@ use crate::parallel::mesh::Mesh;
 use crate::parallel::tp::Megatron;
 use crate::run::faults::{self, Fault};
 use crate::run::watchdog::beat;
+use crate::run::{AgreedFailure, Error};
 use crate::say;
 use std::time::Instant;
 

@@ -3,12 +3,13 @@
 //! invariant, the Hugging Face export.
 
 use super::state::ModelState;
-use super::{Error, Peak};
+use super::Peak;
 use crate::backend::Backend;
 use crate::config::{ActCkpt, Deck, Resolved};
 use crate::data::TokenSource;
 use crate::metrics::{Phase, PhaseTimes};
 use crate::parallel::mesh::Mesh;
+use crate::run::Error;
 use crate::say;
 use std::path::Path;
 

@@ -69,7 +69,7 @@ pub fn rmsnorm_bwd<T: Real>(dx: &mut [T], dw: &mut [T], dy: &[T], x: &[T], w: &[
     }
 }
 
-/// `Σ_j a_j·b_j·c_j` with 16 partial sums (vectorises; see `real::sum_lanes_by`).
+/// `Σ_j a_j·b_j·c_j` with 16 partial sums (vectorises; see `scalar::sum_lanes_by`).
 fn dot3<T: Real>(a: &[T], b: &[T], c: &[T]) -> T {
     let mut acc = [T::ZERO; 16];
     let (ca, cb, cc) = (a.chunks_exact(16), b.chunks_exact(16), c.chunks_exact(16));

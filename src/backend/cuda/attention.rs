@@ -1,6 +1,6 @@
 //! Causal grouped-query attention on the GPU as batched GEMMs: the orchestration, written
 //! against [`AttnDevice`] so that a test can run the very same sequence of calls on a host
-//! emulation of cuBLAS and of the kernels (`tests` below) and hold it to `model::attention`.
+//! emulation of cuBLAS and of the kernels (`tests` below) and hold it to `backend::cpu::attention`.
 //!
 //! Per chunk of (batch, kv head) groups — the `rep = H/KV` query heads of a group are stacked
 //! as `rep·Sq` rows, so grouped-query attention needs no copies — forward computes
@@ -292,7 +292,7 @@ mod tests {
     }
 
     /// The linear layers' three GEMMs as the GPU backend calls them (`linear_gemm`, through
-    /// the cuBLAS parameters of `gemm_config`) equal `real::linear_*`.
+    /// the cuBLAS parameters of `gemm_config`) equal `cpu::gemm::linear_*`.
     #[test]
     fn the_linear_gemms_as_the_gpu_calls_them_equal_the_host_ones() {
         use crate::backend::cuda::backend::{linear_gemm, Linear};

@@ -7,6 +7,9 @@
 //!
 //! A failing CUDA call panics with its message: the panic hook aborts the MPI job (what can
 //! fail before the first step — a missing library, no GPU — is an error from [`GpuBackend::open`]).
+//!
+//! A little over 600 lines: the `Backend` implementation is one list of every operation of the
+//! boundary, each a few lines over a launch wrapper (`launch`), and reads best whole.
 
 use super::attention::{self, AttnDevice, AttnPlan, SCORES_CAP};
 use super::{Gpu, Operand};

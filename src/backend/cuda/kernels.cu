@@ -56,7 +56,7 @@ __device__ float block_max(float s, float* scratch) {
     return warp_max(s);
 }
 
-// ---- RMSNorm (model::kernels::rmsnorm_fwd / rmsnorm_bwd) ---------------------------------
+// ---- RMSNorm (cpu::kernels::rmsnorm_fwd / rmsnorm_bwd) ---------------------------------
 
 // One block per row: y = w · x · rstd, rstd = 1 / sqrt(mean(x²) + eps).
 extern "C" __global__ void rmsnorm_fwd(float* y, float* rstd, const float* x, const float* w, int n, int d, float eps) {
@@ -100,7 +100,7 @@ extern "C" __global__ void rmsnorm_bwd_dw(float* dw, const float* dy, const floa
     dw[j] += s;
 }
 
-// ---- RoPE and the head transposes (model::kernels::to_heads_rope / from_heads_rope) ------
+// ---- RoPE and the head transposes (cpu::kernels::to_heads_rope / from_heads_rope) ------
 
 // Token-major [B, S, nh·hd] → head-major [B, nh, S, hd], rotating the halves (a, b) to
 // (a·cos − b·sin, b·cos + a·sin) when `rotate`; cos, sin [S, hd/2]. One thread per output.
@@ -134,7 +134,7 @@ extern "C" __global__ void from_heads_rope(float* dst, const float* src, const f
     dst[e] = c < half ? ga * co + gb * si : gb * co - ga * si;
 }
 
-// ---- SwiGLU (model::kernels::swiglu_fwd / swiglu_bwd) -------------------------------------
+// ---- SwiGLU (cpu::kernels::swiglu_fwd / swiglu_bwd) -------------------------------------
 
 extern "C" __global__ void swiglu_fwd(float* h, const float* gate, const float* up, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -157,7 +157,7 @@ extern "C" __global__ void add_assign(float* dst, const float* src, long long n)
 }
 
 // ---- Cross entropy over a (vocabulary-parallel) row of logits ----------------------------
-// (model::kernels::row_max, row_sum_exp, target_logit, cross_entropy_bwd_inplace)
+// (cpu::kernels::row_max, row_sum_exp, target_logit, cross_entropy_bwd_inplace)
 
 // One block per row of logits [N, v]: the maximum over the first `valid` columns.
 extern "C" __global__ void ce_row_max(float* m, const float* logits, int n, int v, int valid) {
@@ -215,7 +215,7 @@ extern "C" __global__ void ce_bwd_inplace(float* logits, const float* lse, const
     }
 }
 
-// ---- Causal grouped-query attention (model::attention) -----------------------------------
+// ---- Causal grouped-query attention (cpu::attention) -----------------------------------
 // The products QKᵀ, PV and their backward are cuBLAS batched GEMMs over (batch, kv head)
 // groups, the `rep = H / KV` query heads of a group stacked as rows (src/gpu/backend.rs); these
 // kernels do the rest, one block per row of scores [rows, sk]. Row `row0 + r` is query
@@ -278,7 +278,7 @@ extern "C" __global__ void attn_bwd_rowdot(float* dd, const float* d_o, const fl
 }
 
 // Online-softmax merge of a partial result over one block of keys into the running (o, lse)
-// (model::attention::merge_partial): one warp per row of [rows, hd]. A row whose partial saw
+// (cpu::attention::merge_partial): one warp per row of [rows, hd]. A row whose partial saw
 // no key (lse_part = −∞) keeps its running result.
 extern "C" __global__ void attn_merge(float* o, float* lse, const float* o_part, const float* lse_part, long long rows, int hd) {
     int lane = threadIdx.x & 31;
