@@ -65,27 +65,28 @@ pub fn train<B: Backend<f32> + Clone>(
     out_dir: &Path,
     peak: Peak,
 ) -> Result<RunSummary, Error> {
+    // Load or resume: the model state, the data, the logs.
     let mut run = Run::start(be, comms, res, mesh, out_dir, peak)?;
     for step in run.first_step..run.steps {
-        let start = Instant::now();
-        run.injected_faults(step + 1)?;
+        let (s1, start) = (step + 1, Instant::now());
+        run.injected_faults(s1)?;
+        // Micro-steps, reductions, clipping, the optimiser step.
         let mut out = run.trainer.step(step)?;
-        run.stepped(step + 1, &out, start);
+        run.stepped(s1, &out, start);
         let stop = run.stop_requested(&mut out.phases);
-        run.preempted = stop;
-        if run.checkpoint_due(step + 1, stop) {
-            run.checkpoint(step + 1, &mut out.phases)?;
+        if run.checkpoint_due(s1) {
+            run.checkpoint(s1, &mut out.phases)?;
         }
-        run.log(step + 1, &out, start)?;
+        run.log(s1, &out, start)?;
         if stop {
             say!(
-                "stop signal (SIGTERM/SIGUSR1): checkpoint of step {} written; exiting with code {} so the job can be requeued",
-                step + 1,
+                "stop signal (SIGTERM/SIGUSR1): checkpoint of step {s1} written; exiting with code {} so the job can be requeued",
                 crate::exit::PREEMPTED
             );
             break;
         }
     }
+    // The summary across ranks, the invariants, the export.
     run.finish()
 }
 
@@ -220,17 +221,20 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
 
     /// Whether a stop signal reached any rank: agreed at this step boundary, so every rank
     /// stops here, with a checkpoint.
-    fn stop_requested(&self, pt: &mut PhaseTimes) -> bool {
+    fn stop_requested(&mut self, pt: &mut PhaseTimes) -> bool {
         let t = Instant::now();
         let mut stop = [crate::run::preempt::requested() as u64];
         self.mesh.world.agree_max_u64(&mut stop);
         pt[Phase::Wait] += t.elapsed().as_secs_f64();
-        stop[0] != 0
+        self.preempted = stop[0] != 0;
+        self.preempted
     }
 
-    fn checkpoint_due(&self, s1: u64, stop: bool) -> bool {
+    /// A checkpoint after step `s1`: every `[checkpoint] every` steps, at the last step, and
+    /// when the run stops on a signal.
+    fn checkpoint_due(&self, s1: u64) -> bool {
         let every = self.res.deck.checkpoint.every;
-        stop || (every > 0 && (s1 % every == 0 || s1 == self.steps))
+        self.preempted || (every > 0 && (s1 % every == 0 || s1 == self.steps))
     }
 
     fn checkpoint(&mut self, s1: u64, pt: &mut PhaseTimes) -> Result<(), Error> {
