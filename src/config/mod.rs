@@ -166,11 +166,49 @@ pub struct ParallelCfg {
     /// bucket's gradient all-reduce during backward. `false` runs them blocking (for measuring
     /// how much the overlap hides).
     pub overlap: bool,
+    /// How the groups' collectives move a device's buffers (`docs/gpu.md`).
+    pub comm_backend: CommBackend,
+}
+
+/// `[parallel] comm_backend`: how collectives move the backend's buffers. On the host every
+/// choice is MPI on host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CommBackend {
+    /// NCCL where it can run (one GPU per rank), else staged.
+    #[default]
+    Auto,
+    /// NCCL, one communicator per mesh group, bootstrapped over MPI.
+    Nccl,
+    /// Device buffers handed to a CUDA-aware MPI.
+    Mpi,
+    /// Device → host → MPI → device: any MPI, several ranks per GPU.
+    Staged,
+}
+
+impl CommBackend {
+    pub fn name(self) -> &'static str {
+        match self {
+            CommBackend::Auto => "auto",
+            CommBackend::Nccl => "nccl",
+            CommBackend::Mpi => "mpi",
+            CommBackend::Staged => "staged",
+        }
+    }
 }
 
 impl Default for ParallelCfg {
     fn default() -> Self {
-        ParallelCfg { dp_replicate: 1, dp_shard: -1, cp: 1, tp: 1, sequence_parallel: false, reshard_after_forward: true, overlap: true }
+        ParallelCfg {
+            dp_replicate: 1,
+            dp_shard: -1,
+            cp: 1,
+            tp: 1,
+            sequence_parallel: false,
+            reshard_after_forward: true,
+            overlap: true,
+            comm_backend: CommBackend::Auto,
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! applied to the model from outside through its hooks (`model::hooks`).
 //!
 //! * `comm` — MPI: start-up, groups, collectives and their counters (the only module that names
-//!   `mpi::`);
+//!   the `mpi` crate);
 //! * `mesh` — the 4-D mesh and its groups (`tp`, `cp`, `fsdp`, `dp_rep`, `batch`);
 //! * `collective` — a group's collectives on a backend's buffers, as the strategies call them;
 //! * `fsdp` — data parallelism in its three forms (DP, FSDP, HSDP): the shard plan, the sharded
