@@ -16,6 +16,7 @@ use ndtrain::backend::cpu::probe::gemm_flops;
 use ndtrain::backend::cpu::Cpu;
 use ndtrain::config::Deck;
 use ndtrain::metrics::{flops_per_token, matmul_params, median, Phase};
+use ndtrain::parallel::collective::MeshCollectives;
 use ndtrain::parallel::comm::Runtime;
 use ndtrain::parallel::mesh::Mesh;
 use ndtrain::train::step::{StepOutcome, Trainer};
@@ -211,7 +212,7 @@ fn run(args: &Args) -> Result<(), Error> {
     let runtime = Runtime::init();
     let mesh = Mesh::new(runtime.world(), res.layout);
     let be = Cpu { precision: tcfg.precision, staged: false };
-    let mut trainer = Trainer::seeded(be, mesh.host_collectives(), &res, &mesh)?;
+    let mut trainer = Trainer::seeded(be, MeshCollectives::host(&mesh), &res, &mesh)?;
     let mut index = 0;
     let mut per: Vec<PerThreads> = args
         .threads

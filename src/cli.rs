@@ -10,7 +10,7 @@ use crate::backend::cpu::{probe, Cpu};
 use crate::config::{Deck, Device, Resolved};
 use crate::exit::{BAD_INPUT as EXIT_BAD_INPUT, PREEMPTED as EXIT_PREEMPTED, RUN_FAILED as EXIT_RUN_FAILED};
 use crate::metrics::set_root;
-use crate::parallel::collective::{MeshCollectives, Solo};
+use crate::parallel::collective::{MeshCollectives, StagedMesh};
 use crate::parallel::comm::{self, Runtime};
 use crate::parallel::mesh::Mesh;
 use crate::say;
@@ -412,6 +412,16 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         rt.finalize_and_exit(EXIT_BAD_INPUT);
     }
     let mesh = Mesh::new(world, res.layout);
+    // What only the job's devices can tell (NCCL needs a GPU per rank): bad input, agreed.
+    let verdict = device_checks(&res, &mesh);
+    let failed = mesh.world.count_true(verdict.is_err());
+    if failed > 0 {
+        if let Err(e) = verdict {
+            report_error(&if failed < mesh.world.size() { format!("rank {}: {e}", mesh.world.rank()) } else { e });
+        }
+        drop(mesh);
+        rt.finalize_and_exit(EXIT_BAD_INPUT);
+    }
     let threads = crate::backend::cpu::threads_for_rank(res.deck.run.threads, mesh.node.size());
     crate::backend::cpu::use_threads(threads);
 
@@ -472,39 +482,59 @@ fn peak(res: &Resolved, probe: impl FnOnce() -> Result<(f64, String), Error>) ->
     Ok(Peak { flops, source })
 }
 
-/// Trains on the deck's `[run] device`: the host (every layout, MPI collectives), or the
+/// Trains on the deck's `[run] device`: the host (MPI collectives on host memory), or the
 /// rank's GPU. Under the debug option `NDTRAIN_DEBUG_DEVICE_PATH` the host runs the device's
-/// path: buffers treated as device memory and a lone device's collectives (one rank).
+/// path: its buffers treated as device memory, the collectives staged through host copies.
 fn train_on_device(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, Error> {
     let precision = res.deck.train.precision;
     match res.deck.run.device {
         Device::Cpu => {
             let peak = peak(res, || Ok((probe::gemm_flops(), "measured f32 GEMM probe".into())))?;
             if crate::run::faults::device_path() {
-                if mesh.world.size() != 1 {
-                    let env = crate::run::faults::DEVICE_PATH_ENV;
-                    return Err(format!("{env}: the device path runs on one rank, the job has {}", mesh.world.size()).into());
-                }
                 let be = Cpu { precision, staged: true };
-                let solo = Solo::new(be);
-                let comms = MeshCollectives { tp: &solo, cp: &solo, fsdp: &solo, dp_rep: &solo };
-                return crate::train::train(be, comms, res, mesh, out_dir, peak);
+                let staged = StagedMesh::new(&be, mesh);
+                return crate::train::train(be, staged.collectives(), res, mesh, out_dir, peak);
             }
-            crate::train::train(Cpu { precision, staged: false }, mesh.host_collectives(), res, mesh, out_dir, peak)
+            crate::train::train(Cpu { precision, staged: false }, MeshCollectives::host(mesh), res, mesh, out_dir, peak)
         }
         Device::Cuda => train_on_gpu(res, mesh, out_dir),
     }
 }
 
-/// One rank on its GPU (the deck's checks allow `device = "cuda"` on one rank only).
+/// The collectives `[parallel] comm_backend` asks for on GPUs: what this node's GPUs allow.
+#[cfg(feature = "cuda")]
+fn gpu_collectives(res: &Resolved, mesh: &Mesh) -> Result<crate::config::CommBackend, String> {
+    // Where no GPU can be counted, opening one reports why (a run-time error, not bad input).
+    let gpus = crate::backend::cuda::device_count().unwrap_or(usize::MAX);
+    crate::backend::cuda::nccl::choose(res.deck.parallel.comm_backend, mesh.node.size(), gpus)
+}
+
+/// The checks only the job's devices can answer, made on every rank before training.
+fn device_checks(res: &Resolved, mesh: &Mesh) -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    if res.deck.run.device == Device::Cuda {
+        gpu_collectives(res, mesh)?;
+    }
+    let _ = (res, mesh);
+    Ok(())
+}
+
+/// The rank's GPU, the groups' collectives as `[parallel] comm_backend` chooses: NCCL on the
+/// GPU's buffers, or staged through host memory.
 #[cfg(feature = "cuda")]
 fn train_on_gpu(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, Error> {
+    use crate::config::CommBackend;
     let precision = res.deck.train.precision;
     let be = crate::backend::cuda::backend::GpuBackend::open(mesh.node.rank(), precision)?;
     let peak = peak(res, || Ok((be.gemm_probe()?, format!("measured {precision:?} GEMM probe on the GPU"))))?;
-    let solo = Solo::new(be.clone());
-    let comms = MeshCollectives { tp: &solo, cp: &solo, fsdp: &solo, dp_rep: &solo };
-    crate::train::train(be.clone(), comms, res, mesh, out_dir, peak)
+    let chosen = gpu_collectives(res, mesh)?;
+    say!("collectives on the GPUs: {}", chosen.name());
+    if chosen == CommBackend::Nccl {
+        let nccl = crate::backend::cuda::nccl::NcclMesh::new(&be, mesh)?;
+        return crate::train::train(be.clone(), nccl.collectives(), res, mesh, out_dir, peak);
+    }
+    let staged = StagedMesh::new(&be, mesh);
+    crate::train::train(be.clone(), staged.collectives(), res, mesh, out_dir, peak)
 }
 
 #[cfg(not(feature = "cuda"))]

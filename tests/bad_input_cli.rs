@@ -394,9 +394,9 @@ fn bad_inputs() -> Vec<BadInput> {
         ),
         case("layout for another world", |_| sets_input(&["parallel.dp_shard=3"]), "but the job has 2 ranks", EveryRank),
         case(
-            "GPU training on two ranks",
-            |_| sets_input(&["run.device=\"cuda\""]),
-            "trains on one rank (one GPU) so far, but the job has 2 ranks",
+            "GPU collectives the program does not have",
+            |_| sets_input(&["run.device=\"cuda\"", "parallel.comm_backend=\"mpi\""]),
+            "comm_backend = \"mpi\"",
             EveryRank,
         ),
         // Files and folders named by the deck, checked before training by every rank.

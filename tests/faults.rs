@@ -126,6 +126,37 @@ fn one_rank_failing_ends_every_rank_within_seconds() {
     assert_eq!(steps_done(&out), 2);
 }
 
+/// A device failure on one rank of two (injected where an asynchronous CUDA error surfaces:
+/// when the step synchronises with its device), on the device path: the job ends within
+/// seconds with exit 1 and one message naming the rank and the device, not a panic.
+#[test]
+fn a_device_failure_on_one_rank_ends_the_job_with_its_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut cmd = Command::new("mpirun");
+    mpi_env(&mut cmd).args(["--oversubscribe", "-n", "2", bin(), "train"]).arg(tiny_deck());
+    cmd.arg("--set").arg(format!("run.out_dir=\"{}\"", out.display()));
+    cmd.args(["--set", "run.steps=50", "--set", "run.threads=1", "--set", "optim.warmup_steps=1"]);
+    cmd.env(debug::DEVICE_PATH_ENV, "1").env(debug::DEVICE_ERROR_ENV, "step=3,rank=1").env(debug::STEP_DELAY_ENV, "300");
+    let mut child = spawn(cmd);
+    let ranks = {
+        wait_for_steps(&out, 1, &mut child);
+        children(child.id())
+    };
+    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
+    wait_for_steps(&out, 2, &mut child);
+    let (o, took) = wait_within(child, 30);
+    assert!(took < Duration::from_secs(10), "the job took {took:?} to end after step 2\n{}", text(&o));
+    assert_eq!(o.status.code(), Some(ndtrain::exit::RUN_FAILED), "{}", text(&o));
+    let err = stderr(&o);
+    let want = "error: rank 1: cpu (staged as a device): a device operation failed (NDTRAIN_DEBUG_DEVICE_ERROR at step 3)";
+    assert!(err.contains(want), "{}", text(&o));
+    assert_eq!(err.matches("error:").count(), 1, "one message\n{}", text(&o));
+    assert!(!err.contains("panicked"), "{}", text(&o));
+    assert_all_gone(&ranks, 5);
+    assert_eq!(steps_done(&out), 2);
+}
+
 /// Acceptance 2: one rank killed with SIGKILL mid-step: the launcher ends the job within 30 s;
 /// `resume = "auto"` continues from the last checkpoint and reproduces the uninterrupted run's
 /// losses and final state bit for bit.

@@ -59,3 +59,21 @@ fn the_pbs_script_runs_four_ranks_from_a_nodefile() {
     // The layout the deck resolved on the nodefile's 4 ranks.
     assert!(std::fs::read_to_string(out.join("deck.toml")).unwrap().contains("dp_shard=2 cp=1 tp=2"));
 }
+
+/// The GPU check script (`benches/gpu_check.sh`) on a machine without a GPU: it finds ndtrain,
+/// says what it would run and stops with exit code 3 and "no GPU" before any check, writing no
+/// result file. (On a machine with a GPU this would run the real checks: not here.)
+#[test]
+fn the_gpu_check_script_stops_cleanly_without_a_gpu() {
+    let has_gpu = Command::new("nvidia-smi").arg("-L").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).starts_with("GPU "));
+    if has_gpu {
+        eprintln!("this machine has a GPU: run benches/gpu_check.sh itself");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new("bash").arg(repo().join("benches/gpu_check.sh")).env("NDTRAIN", bin()).env("OUT", dir.path()).output().unwrap();
+    let log = text(&o);
+    assert_eq!(o.status.code(), Some(3), "{log}");
+    assert!(log.contains("no GPU on this machine") && log.contains("stopping before any"), "{log}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "a dry run writes no result: {log}");
+}

@@ -76,6 +76,10 @@ pub trait Backend<T: Real> {
 
     /// A short name for logs (`cpu`, `cuda:0 NVIDIA H200`).
     fn describe(&self) -> String;
+    /// Waits until every operation queued so far has finished, and reports the first that
+    /// failed (a device runs them asynchronously; the host has nothing to wait for). Phases are
+    /// timed after it, so the host's clock measures the device's work.
+    fn synchronize(&self) -> Result<(), String>;
     fn precision(&self) -> Precision;
 
     // ---- memory --------------------------------------------------------------------------

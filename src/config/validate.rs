@@ -177,7 +177,7 @@ impl Deck {
         let seq_len = self.train.seq_len;
         let tokens_per_step = mul(global_batch, seq_len, || format!("global_batch({global_batch}) × seq_len({seq_len})"))?;
         let (lr, lr_line) = self.scaled_lr(global_batch)?;
-        self.check_device(world_size)?;
+        self.check_device()?;
 
         let Layout { dp_replicate, dp_shard, cp, tp } = layout;
         let mut summary = vec![
@@ -198,16 +198,16 @@ impl Deck {
         Ok(Resolved { deck: self.clone(), layout, grad_accum, global_batch, lr, tokens_per_step, summary })
     }
 
-    /// The GPU path runs one rank on one GPU until the strategies' collectives run on device
-    /// buffers (`docs/gpu.md`).
-    fn check_device(&self, world_size: usize) -> Result<(), ConfigError> {
-        if self.run.device != super::Device::Cuda {
+    /// The collectives on device buffers this program has: staged through host memory, and
+    /// NCCL (whether the job's GPUs allow it is checked once they are seen).
+    fn check_device(&self) -> Result<(), ConfigError> {
+        use super::CommBackend;
+        let cb = self.parallel.comm_backend;
+        if self.run.device != super::Device::Cuda || cb != CommBackend::Mpi {
             return Ok(());
         }
-        need(world_size == 1, || {
-            err(format!("[run] device = \"cuda\" trains on one rank (one GPU) so far, but the job has {}", ranks(world_size)))
-                .with_hint("run one rank, or device = \"cpu\" for a parallel layout (docs/gpu.md)")
-        })
+        Err(err(format!("[parallel] comm_backend = \"{}\": CUDA-aware MPI collectives are not implemented yet", cb.name()))
+            .with_hint("comm_backend = \"nccl\", \"staged\" or \"auto\" (docs/gpu.md)"))
     }
 
     fn check_run(&self) -> Result<(), ConfigError> {

@@ -2,12 +2,13 @@
 //! `tp`, `cp`) call, whatever memory the buffers live in.
 //!
 //! [`Collective`] is written over the buffer type `V`. A host vector's implementation is the
-//! group itself (`comm::Group`, over MPI); [`Solo`] is a group of one rank on any backend
-//! (every collective a copy or nothing), which is how a single device runs the same strategies.
+//! group itself (`comm::Group`, over MPI); [`Staged`] runs the group's MPI collectives on any
+//! backend's buffers through host copies (a device's, or the host's in the device path).
 //! Non-blocking collectives take their buffers and give them back when waited for, so nothing
 //! touches a buffer in flight. Bytes and time are counted by the group (`comm`), per kind.
 
 use super::comm::{Group, Ticket};
+use super::mesh::Mesh;
 use crate::backend::Backend;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -96,72 +97,114 @@ impl Collective<Vec<f32>> for Group {
 /// The send and receive buffers of a collective.
 type Buffers<V> = (V, V);
 
-/// A group of one rank on backend `B`: reductions are identities, a gather or a reduce-scatter
-/// is a copy, a ring shift returns the block to its sender. What a strategy of degree 1 calls
-/// on a backend whose buffers no MPI group takes.
-pub struct Solo<B: Backend<f32>> {
+/// A group's collectives on a backend whose buffers MPI does not take (device memory), staged
+/// through host memory: device → host → MPI (the group's own collective) → device. Works with
+/// any MPI and any number of ranks per device. The group counts bytes and time as on the host;
+/// a non-blocking collective copies its input out when it starts and its output in when it is
+/// waited for, so the device buffers and the host staging buffers stay apart.
+pub struct Staged<'g, B: Backend<f32>> {
     be: B,
-    /// Finished "collectives" by ticket, until waited for.
-    done: RefCell<BTreeMap<u64, Buffers<B::Buf>>>,
-    next: RefCell<u64>,
-    /// Ring exchanges by slot: the block sent is the block received.
-    ring: RefCell<BTreeMap<usize, B::Buf>>,
+    group: &'g Group,
+    /// The device buffers of the collectives in flight, by ticket (their host copies are in
+    /// the group).
+    in_flight: RefCell<BTreeMap<u64, Buffers<B::Buf>>>,
 }
 
-impl<B: Backend<f32>> Solo<B> {
-    pub fn new(be: B) -> Self {
-        Solo { be, done: RefCell::new(BTreeMap::new()), next: RefCell::new(0), ring: RefCell::new(BTreeMap::new()) }
+impl<'g, B: Backend<f32>> Staged<'g, B> {
+    pub fn new(be: B, group: &'g Group) -> Self {
+        Staged { be, group, in_flight: RefCell::new(BTreeMap::new()) }
     }
 
-    fn finished(&self, send: B::Buf, mut recv: B::Buf) -> Ticket {
-        self.be.copy(&mut recv, &send);
-        let mut next = self.next.borrow_mut();
-        let t = *next;
-        *next += 1;
-        self.done.borrow_mut().insert(t, (send, recv));
-        Ticket(t)
+    /// A host copy of `buf`.
+    fn down(&self, buf: &B::Buf) -> Vec<f32> {
+        let mut host = vec![0.0; self.be.len(buf)];
+        self.be.download(buf, &mut host);
+        host
+    }
+
+    /// Runs `f` on a host copy of `buf` and copies the result back.
+    fn through_host(&self, buf: &mut B::Buf, f: impl FnOnce(&mut Vec<f32>)) {
+        let mut host = self.down(buf);
+        f(&mut host);
+        self.be.upload(buf, &host);
+    }
+
+    fn keep(&self, t: Ticket, send: B::Buf, recv: B::Buf) -> Ticket {
+        self.in_flight.borrow_mut().insert(t.0, (send, recv));
+        t
     }
 }
 
-impl<B: Backend<f32>> Collective<B::Buf> for Solo<B> {
+impl<B: Backend<f32>> Collective<B::Buf> for Staged<'_, B> {
     fn degree(&self) -> usize {
-        1
+        self.group.size()
     }
     fn rank(&self) -> usize {
-        0
+        self.group.rank()
     }
-    fn all_reduce_sum(&self, _buf: &mut B::Buf) {}
-    fn all_reduce_sum_range(&self, _buf: &mut B::Buf, _range: Range<usize>) {}
-    fn all_reduce_max(&self, _buf: &mut B::Buf) {}
+    fn all_reduce_sum(&self, buf: &mut B::Buf) {
+        self.through_host(buf, |h| self.group.all_reduce_sum_f32(h));
+    }
+    fn all_reduce_sum_range(&self, buf: &mut B::Buf, range: Range<usize>) {
+        self.through_host(buf, |h| self.group.all_reduce_sum_f32(&mut h[range]));
+    }
+    fn all_reduce_max(&self, buf: &mut B::Buf) {
+        self.through_host(buf, |h| self.group.all_reduce_max_f32(h));
+    }
     fn all_gather(&self, send: &B::Buf, recv: &mut B::Buf) {
-        self.be.copy(recv, send);
+        let h = self.down(send);
+        self.through_host(recv, |r| self.group.all_gather_f32(&h, r));
     }
     fn reduce_scatter_sum(&self, send: &B::Buf, recv: &mut B::Buf) {
-        self.be.copy(recv, send);
+        let h = self.down(send);
+        self.through_host(recv, |r| self.group.reduce_scatter_sum_f32(&h, r));
     }
     fn start_all_gather(&self, send: B::Buf, recv: B::Buf) -> Ticket {
-        self.finished(send, recv)
+        let t = self.group.start_all_gather_f32(self.down(&send), vec![0.0; self.be.len(&recv)]);
+        self.keep(t, send, recv)
     }
     fn start_reduce_scatter_sum(&self, send: B::Buf, recv: B::Buf) -> Ticket {
-        self.finished(send, recv)
+        let t = self.group.start_reduce_scatter_sum_f32(self.down(&send), vec![0.0; self.be.len(&recv)]);
+        self.keep(t, send, recv)
     }
     fn start_all_reduce_sum(&self, send: B::Buf, recv: B::Buf) -> Ticket {
-        self.finished(send, recv)
+        let t = self.group.start_all_reduce_sum_f32(self.down(&send), vec![0.0; self.be.len(&recv)]);
+        self.keep(t, send, recv)
     }
-    fn test(&self, _t: &Ticket) -> bool {
-        true
+    fn test(&self, t: &Ticket) -> bool {
+        self.group.test(t)
     }
     fn wait(&self, t: Ticket) -> (B::Buf, B::Buf) {
-        self.done.borrow_mut().remove(&t.0).expect("a ticket of this group, waited for once")
+        let id = t.0;
+        let (_, host) = self.group.wait(t);
+        let (send, mut recv) = self.in_flight.borrow_mut().remove(&id).expect("a ticket of this group, waited for once");
+        self.be.upload(&mut recv, &host);
+        (send, recv)
     }
     fn start_shift(&self, slot: usize, buf: &B::Buf) {
-        let mut copy = self.be.zeros(self.be.len(buf));
-        self.be.copy(&mut copy, buf);
-        self.ring.borrow_mut().insert(slot, copy);
+        self.group.start_ring_shift_f32(slot, &self.down(buf));
     }
     fn finish_shift(&self, slot: usize, buf: &mut B::Buf) {
-        let back = self.ring.borrow_mut().remove(&slot).expect("finish_shift after start_shift");
-        self.be.copy(buf, &back);
+        self.through_host(buf, |h| self.group.finish_ring_shift_f32(slot, h));
+    }
+}
+
+/// The mesh's groups as [`Staged`] collectives on backend `B`.
+pub struct StagedMesh<'g, B: Backend<f32>> {
+    tp: Staged<'g, B>,
+    cp: Staged<'g, B>,
+    fsdp: Staged<'g, B>,
+    dp_rep: Staged<'g, B>,
+}
+
+impl<'g, B: Backend<f32> + Clone> StagedMesh<'g, B> {
+    pub fn new(be: &B, mesh: &'g Mesh) -> Self {
+        let staged = |g| Staged::new(be.clone(), g);
+        StagedMesh { tp: staged(&mesh.tp), cp: staged(&mesh.cp), fsdp: staged(&mesh.fsdp), dp_rep: staged(&mesh.dp_rep) }
+    }
+
+    pub fn collectives(&self) -> MeshCollectives<'_, B::Buf> {
+        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep }
     }
 }
 
@@ -171,4 +214,11 @@ pub struct MeshCollectives<'a, V> {
     pub cp: &'a dyn Collective<V>,
     pub fsdp: &'a dyn Collective<V>,
     pub dp_rep: &'a dyn Collective<V>,
+}
+
+impl<'g> MeshCollectives<'g, Vec<f32>> {
+    /// The mesh's groups themselves: MPI on host vectors.
+    pub fn host(mesh: &'g Mesh) -> Self {
+        MeshCollectives { tp: &mesh.tp, cp: &mesh.cp, fsdp: &mesh.fsdp, dp_rep: &mesh.dp_rep }
+    }
 }

@@ -90,6 +90,15 @@ pub fn abort(code: i32) -> ! {
     SimpleCommunicator::world().abort(code)
 }
 
+/// Ends the job from this rank for a failure only it may have seen (a device fault): prints
+/// `error: rank R: MESSAGE` as one write and aborts every rank with the run-failure code.
+pub fn fail(message: &str) -> ! {
+    use std::io::Write;
+    let line = format!("error: rank {}: {message}\n", world_rank());
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    abort(crate::exit::RUN_FAILED)
+}
+
 /// The rank of this process in the world (0 before MPI is up or after it is down).
 pub fn world_rank() -> usize {
     if mpi::environment::is_initialized() && !mpi::environment::is_finalized() {
@@ -113,9 +122,21 @@ fn install_abort_on_panic() {
     }));
 }
 
-/// A non-blocking collective started on a [`Group`], to be completed by `Group::wait`.
+/// A non-blocking collective started on a [`Group`] (or on another implementation of a group's
+/// collectives), to be completed by its `wait`.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Ticket(pub(super) u64);
+
+impl Ticket {
+    /// A ticket of a collective another library runs on this group's behalf.
+    pub fn new(id: u64) -> Ticket {
+        Ticket(id)
+    }
+
+    pub fn id(&self) -> u64 {
+        self.0
+    }
+}
 
 /// A non-blocking collective in flight. It owns its buffers, so nothing can read or write
 /// them before it completes; dropping it waits for completion.
@@ -245,6 +266,14 @@ impl Group {
         e.calls += 1;
         e.bytes += bytes as u64;
         e.seconds += start.elapsed().as_secs_f64();
+    }
+
+    /// Counts one collective another library ran on this group's ranks (NCCL on a device's
+    /// buffers), so the group's counters hold all of its traffic.
+    pub fn count(&self, kind: &'static str, bytes: usize, start: Instant) {
+        if self.size > 1 {
+            self.record(kind, bytes, start);
+        }
     }
 
     /// Counters per collective kind since the last `take_counts`.

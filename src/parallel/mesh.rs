@@ -6,7 +6,6 @@
 //! and `batch` (r and s: which samples a rank sees). Every group exists at every degree, size 1
 //! included. Knows nothing of what is communicated.
 
-use super::collective::MeshCollectives;
 use super::comm::Group;
 use crate::config::Layout;
 
@@ -92,11 +91,6 @@ impl Mesh {
     /// Every group with its name, for counters and logs.
     pub fn groups(&self) -> [&Group; 5] {
         [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.batch]
-    }
-
-    /// The groups as the strategies' collectives on host buffers.
-    pub fn host_collectives(&self) -> MeshCollectives<'_, Vec<f32>> {
-        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep }
     }
 }
 

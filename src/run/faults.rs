@@ -23,8 +23,9 @@ pub fn step_delay() -> Result<Option<Duration>, String> {
 
 /// Runs the training loop on the host as it runs on a device: the host backend's buffers are
 /// treated as device memory (every host access — initialisation, loading, checkpoints, checks —
-/// is staged through copies) and the strategies use a lone device's collectives. One rank. A
-/// test holds this path, which a GPU runs, to the host's own without a GPU.
+/// is staged through copies) and the groups' collectives are staged through host buffers
+/// apart from the "device" ones. Any layout. A test holds this path, which a GPU runs, to the
+/// host's own without a GPU.
 pub const DEVICE_PATH_ENV: &str = "NDTRAIN_DEBUG_DEVICE_PATH";
 
 pub fn device_path() -> bool {
@@ -53,6 +54,11 @@ pub struct Fault {
 /// Rank `rank` returns an error at the start of step `step` (an ordinary runtime error: the
 /// job must end on every rank within seconds, naming the rank and the cause).
 pub const FAIL_ENV: &str = "NDTRAIN_DEBUG_FAIL";
+
+/// Rank `rank`'s backend reports a failed device operation when step `step` synchronises with
+/// its device, as an asynchronous CUDA error surfaces there: the job must end on every rank
+/// within seconds with that rank's message naming the device (exit 1).
+pub const DEVICE_ERROR_ENV: &str = "NDTRAIN_DEBUG_DEVICE_ERROR";
 
 /// Rank `rank` stops making progress at the start of step `step` (sleeps, as a rank stuck in
 /// I/O would): the watchdog (`[run] watchdog_seconds`) must end the job.

@@ -248,8 +248,14 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
         p.global_batch, res.deck.train.seq_len, p.tokens_per_step, p.grad_accum, p.lr
     );
     let _ = writeln!(s, "FLOPs per step: {:.4e} in all, {:.4e} per rank", p.flops_per_step, p.flops_per_rank);
+    // On a GPU every buffer below lives in the device's memory (host memory holds only what a
+    // staged collective copies through).
+    let place = match res.deck.run.device {
+        crate::config::Device::Cpu => "memory",
+        crate::config::Device::Cuda => "device memory",
+    };
     let _ =
-        writeln!(s, "\nmemory per rank (rank 0 of dp_replicate={} dp_shard={} cp={} tp={}), MiB:", l.dp_replicate, l.dp_shard, l.cp, l.tp);
+        writeln!(s, "\n{place} per rank (rank 0 of dp_replicate={} dp_shard={} cp={} tp={}), MiB:", l.dp_replicate, l.dp_shard, l.cp, l.tp);
     let st = &p.state;
     let a = &p.activations;
     for (name, b) in [

@@ -52,8 +52,9 @@ pub struct Trainer<'g, B: Backend<f32>> {
     seq_len: usize,
     micro_batch: usize,
     grad_accum: usize,
-    /// `NDTRAIN_DEBUG_NAN_GRAD` (`docs/debugging.md`).
+    /// `NDTRAIN_DEBUG_NAN_GRAD` and `NDTRAIN_DEBUG_DEVICE_ERROR` (`docs/debugging.md`).
     nan_grad: Option<Fault>,
+    device_error: Option<Fault>,
 }
 
 impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
@@ -88,6 +89,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             micro_batch: mb,
             grad_accum: res.grad_accum,
             nan_grad: faults::fault(faults::NAN_GRAD_ENV)?,
+            device_error: faults::fault(faults::DEVICE_ERROR_ENV)?,
         })
     }
 
@@ -125,6 +127,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         } else if self.optim.on_nonfinite == OnNonFinite::Abort {
             return Err(Box::new(self.nonfinite_failure(step + 1, loss, grad_norm)));
         }
+        self.synchronize(step + 1)?;
         pt[Phase::Optimizer] += t_opt.elapsed().as_secs_f64();
         Ok(StepOutcome { loss, grad_norm, lr, updated, phases: pt })
     }
@@ -160,10 +163,12 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             params.begin_micro_step();
             grads.begin_micro_step(micro + 1 == ga);
             loss_sum += self.model.forward_with(params, &tok, hooks);
+            sync(self.model.backend())?;
             let t2 = Instant::now();
             params.begin_backward();
             self.model.backward_with(params, grads, loss_scale, hooks);
             params.end_micro_step();
+            sync(self.model.backend())?;
             let t3 = Instant::now();
             pt[Phase::Data] += (t1 - t0).as_secs_f64();
             pt[Phase::Forward] += (t2 - t1).as_secs_f64();
@@ -198,6 +203,16 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         mesh.tp.all_reduce_sum_f64(&mut sq);
         pt[Phase::Comm] += t_comm.elapsed().as_secs_f64();
         Ok((loss, sq[0].sqrt()))
+    }
+
+    /// Waits for the device's queued work; a failed device operation (or the injected one of
+    /// `NDTRAIN_DEBUG_DEVICE_ERROR`) ends the run on this rank, naming the device.
+    fn synchronize(&self, s1: u64) -> Result<(), Error> {
+        let be = self.model.backend();
+        if faults::fires(&self.device_error, self.mesh.world.rank(), s1) {
+            return Err(format!("{}: a device operation failed ({} at step {s1})", be.describe(), faults::DEVICE_ERROR_ENV).into());
+        }
+        sync(be)
     }
 
     /// `NDTRAIN_DEBUG_NAN_GRAD`: NaN into the first element this rank holds of the named
@@ -239,6 +254,11 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             }),
         }
     }
+}
+
+/// Waits for `be`'s queued work (so the host's clock times it), naming the device if it failed.
+fn sync<B: Backend<f32>>(be: &B) -> Result<(), Error> {
+    be.synchronize().map_err(|e| format!("{}: {e}", be.describe()).into())
 }
 
 /// Says that a step's update was skipped (`on_nonfinite = "skip"`).

@@ -80,6 +80,10 @@ impl<T: Real> Backend<T> for Cpu {
         if self.staged { "cpu (staged as a device)" } else { "cpu" }.into()
     }
 
+    fn synchronize(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     fn precision(&self) -> Precision {
         self.precision
     }

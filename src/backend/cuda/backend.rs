@@ -30,10 +30,10 @@ impl<T> Default for DevBuf<T> {
 }
 
 impl<T> DevBuf<T> {
-    fn get(&self) -> &CudaSlice<T> {
+    pub(super) fn get(&self) -> &CudaSlice<T> {
         self.0.as_ref().expect("a GPU buffer of length 0 was used")
     }
-    fn get_mut(&mut self) -> &mut CudaSlice<T> {
+    pub(super) fn get_mut(&mut self) -> &mut CudaSlice<T> {
         self.0.as_mut().expect("a GPU buffer of length 0 was used")
     }
     pub fn len(&self) -> usize {
@@ -118,8 +118,10 @@ pub(crate) fn group_ids(ids: &[u32]) -> (Vec<u32>, Vec<i32>, Vec<i32>) {
     (uniq, starts, order)
 }
 
-fn ok<R>(what: &str, r: Result<R, String>) -> R {
-    r.unwrap_or_else(|e| panic!("GPU {what}: {e}"))
+/// The result of a device call, or the end of the job: a failed CUDA call names the operation
+/// and the rank and ends every rank like any run-time failure (exit 1), not as a panic.
+pub(super) fn ok<R>(what: &str, r: Result<R, String>) -> R {
+    r.unwrap_or_else(|e| crate::parallel::comm::fail(&format!("GPU {what}: {e}")))
 }
 
 impl GpuBackend {
@@ -220,6 +222,10 @@ impl Backend<f32> for GpuBackend {
     type Buf = DevBuf<f32>;
     type Ids = DevIds;
     type Pos = DevBuf<i32>;
+
+    fn synchronize(&self) -> Result<(), String> {
+        self.gpu().synchronize()
+    }
 
     fn describe(&self) -> String {
         {

@@ -8,6 +8,12 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, 
 use cudarc::nccl::{Comm, Id};
 use std::collections::HashMap;
 
+/// The GPUs this process can see (within `CUDA_VISIBLE_DEVICES`).
+pub fn device_count() -> Result<usize, String> {
+    libraries_present()?;
+    CudaContext::device_count().map(|n| n as usize).map_err(err("counting CUDA devices"))
+}
+
 impl Gpu {
     /// Opens GPU `node_rank % (GPUs on this node)`: each rank of a node takes its own when a
     /// node runs one rank per GPU, whatever the launcher (the node-local rank comes from

@@ -23,8 +23,10 @@ mod blas;
 pub mod check;
 mod device;
 mod launch;
+pub mod nccl;
 
 pub use blas::{gemm_config, Operand};
+pub use device::device_count;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
