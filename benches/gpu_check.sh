@@ -11,6 +11,7 @@
 #      losses on the same layout within FP32_LOSS_TOL;
 #      and NCCL (one communicator per mesh group) on one rank, and on every GPU (up to 4) when
 #      the machine has several;
+#      and CUDA-aware MPI on FSDP 2 where the installed Open MPI has it;
 #   4. a checkpoint written on the GPU (one rank) resumed on the host on FSDP 2: the resumed
 #      steps' losses against the GPU run's within FP32_LOSS_TOL;
 #   5. the 1.2 B-parameter deck inputs/gpu_1b.toml on the GPU (bf16): s/step, tokens/s, MFU;
@@ -128,6 +129,15 @@ EOF
         compare "NCCL, FSDP $n on $n GPUs, vs host" "/tmp/gc_cpu_fsdp$n" "/tmp/gc_gpu_nccl$n" "$FP32_LOSS_TOL" || status=1
     else
         echo "one GPU here: NCCL across GPUs not run"
+    fi
+
+    echo "## 3c. CUDA-aware MPI, where the installed MPI has it: FSDP 2 on one GPU"
+    if ompi_info --parsable --all 2>/dev/null | grep -q 'mpi_built_with_cuda_support:value:true'; then
+        mpirun --oversubscribe -n 2 "$NDTRAIN" train "${tiny[@]}" --set 'run.threads=1' --set 'run.device="cuda"' \
+            --set parallel.dp_shard=2 --set 'parallel.comm_backend="mpi"' --set "run.out_dir=\"/tmp/gc_gpu_mpi\"" >/dev/null || status=1
+        compare "CUDA-aware MPI, FSDP 2 on one GPU, vs host" /tmp/gc_cpu_fsdp2 /tmp/gc_gpu_mpi "$FP32_LOSS_TOL" || status=1
+    else
+        echo "this MPI is not built with CUDA support (ompi_info): not run"
     fi
 
     echo "## 4. a checkpoint written on the GPU, resumed on the host on FSDP 2"

@@ -506,7 +506,7 @@ fn train_on_device(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSum
 fn gpu_collectives(res: &Resolved, mesh: &Mesh) -> Result<crate::config::CommBackend, String> {
     // Where no GPU can be counted, opening one reports why (a run-time error, not bad input).
     let gpus = crate::backend::cuda::device_count().unwrap_or(usize::MAX);
-    crate::backend::cuda::nccl::choose(res.deck.parallel.comm_backend, mesh.node.size(), gpus)
+    crate::backend::cuda::nccl::choose(res.deck.parallel.comm_backend, mesh.node.size(), gpus, comm::cuda_aware())
 }
 
 /// The checks only the job's devices can answer, made on every rank before training.
@@ -527,14 +527,23 @@ fn train_on_gpu(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummar
     let precision = res.deck.train.precision;
     let be = crate::backend::cuda::backend::GpuBackend::open(mesh.node.rank(), precision)?;
     let peak = peak(res, || Ok((be.gemm_probe()?, format!("measured {precision:?} GEMM probe on the GPU"))))?;
+    be.set_planned_bytes(crate::tools::plan::plan(res).peak_bytes());
     let chosen = gpu_collectives(res, mesh)?;
     say!("collectives on the GPUs: {}", chosen.name());
-    if chosen == CommBackend::Nccl {
-        let nccl = crate::backend::cuda::nccl::NcclMesh::new(&be, mesh)?;
-        return crate::train::train(be.clone(), nccl.collectives(), res, mesh, out_dir, peak);
+    match chosen {
+        CommBackend::Nccl => {
+            let nccl = crate::backend::cuda::nccl::NcclMesh::new(&be, mesh)?;
+            crate::train::train(be.clone(), nccl.collectives(), res, mesh, out_dir, peak)
+        }
+        CommBackend::Mpi => {
+            let mpi = crate::backend::cuda::mpi::CudaAwareMesh::new(&be, mesh);
+            crate::train::train(be.clone(), mpi.collectives(), res, mesh, out_dir, peak)
+        }
+        _ => {
+            let staged = StagedMesh::new(&be, mesh);
+            crate::train::train(be.clone(), staged.collectives(), res, mesh, out_dir, peak)
+        }
     }
-    let staged = StagedMesh::new(&be, mesh);
-    crate::train::train(be.clone(), staged.collectives(), res, mesh, out_dir, peak)
 }
 
 #[cfg(not(feature = "cuda"))]

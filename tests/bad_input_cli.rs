@@ -394,9 +394,9 @@ fn bad_inputs() -> Vec<BadInput> {
         ),
         case("layout for another world", |_| sets_input(&["parallel.dp_shard=3"]), "but the job has 2 ranks", EveryRank),
         case(
-            "GPU collectives the program does not have",
-            |_| sets_input(&["run.device=\"cuda\"", "parallel.comm_backend=\"mpi\""]),
-            "comm_backend = \"mpi\"",
+            "GPU training on two ranks of a build without the GPU backend",
+            |_| sets_input(&["run.device=\"cuda\"", "parallel.comm_backend=\"nccl\""]),
+            "built without the `cuda` feature",
             EveryRank,
         ),
         // Files and folders named by the deck, checked before training by every rank.

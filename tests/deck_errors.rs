@@ -57,6 +57,12 @@ const BAD: &[Bad] = &[
     bad_set("zero steps", &["run.steps=0"], 1, &["m:[run] steps must be ≥ 1, but it is 0"]),
     bad_set("zero size", &["model.n_layers=0"], 1, &["m:[model] n_layers must be ≥ 1, but it is 0"]),
     bad_set("zero vocab", &["model.vocab_size=0"], 1, &["m:[model] vocab_size must be ≥ 1"]),
+    bad_set(
+        "a micro-step beyond the GPU's 32-bit sizes",
+        &["run.device=\"cuda\"", "train.micro_batch=65536", "train.global_batch=65536", "train.seq_len=65536", "model.max_seq_len=65536"],
+        1,
+        &["m:[train] micro_batch × seq_len", "m:4294967296 exceeds 2147483647", "h:smaller micro_batch"],
+    ),
     bad_set("d_model % n_heads", &["model.d_model=100", "model.n_heads=8"], 1, &["m:[model] d_model(100) is not divisible by n_heads(8)"]),
     bad_set("n_heads % n_kv_heads", &["model.n_kv_heads=3"], 1, &["m:[model] n_heads(8) is not divisible by n_kv_heads(3)"]),
     bad_set("odd head_dim", &["model.d_model=24", "model.n_heads=8"], 1, &["m:head_dim", "m:= 3 is odd", "m:RoPE"]),

@@ -146,6 +146,7 @@ impl Deck {
         self.check_train()?;
         self.check_optim()?;
         self.check_data()?;
+        self.check_device_sizes()?;
         at_least_one("log", "every", self.log.every)?;
         let h = &self.hardware;
         non_negative_finite("hardware", "peak_flops_per_rank", h.peak_flops_per_rank)?;
@@ -177,7 +178,6 @@ impl Deck {
         let seq_len = self.train.seq_len;
         let tokens_per_step = mul(global_batch, seq_len, || format!("global_batch({global_batch}) × seq_len({seq_len})"))?;
         let (lr, lr_line) = self.scaled_lr(global_batch)?;
-        self.check_device()?;
 
         let Layout { dp_replicate, dp_shard, cp, tp } = layout;
         let mut summary = vec![
@@ -198,16 +198,27 @@ impl Deck {
         Ok(Resolved { deck: self.clone(), layout, grad_accum, global_batch, lr, tokens_per_step, summary })
     }
 
-    /// The collectives on device buffers this program has: staged through host memory, and
-    /// NCCL (whether the job's GPUs allow it is checked once they are seen).
-    fn check_device(&self) -> Result<(), ConfigError> {
-        use super::CommBackend;
-        let cb = self.parallel.comm_backend;
-        if self.run.device != super::Device::Cuda || cb != CommBackend::Mpi {
+    /// The sizes the GPU's kernels and cuBLAS take as 32-bit integers: a deck beyond them is
+    /// refused here, not by an assertion inside a launch.
+    fn check_device_sizes(&self) -> Result<(), ConfigError> {
+        if self.run.device != super::Device::Cuda {
             return Ok(());
         }
-        Err(err(format!("[parallel] comm_backend = \"{}\": CUDA-aware MPI collectives are not implemented yet", cb.name()))
-            .with_hint("comm_backend = \"nccl\", \"staged\" or \"auto\" (docs/gpu.md)"))
+        let (m, t) = (&self.model, &self.train);
+        let tokens = t.micro_batch as u128 * t.seq_len as u128;
+        let sizes = [
+            ("[train] micro_batch × seq_len (the rows of a micro-step)", tokens),
+            ("[model] vocab_size", m.vocab_size as u128),
+            ("[model] d_model", m.d_model as u128),
+            ("[model] ffn_hidden", m.ffn_hidden as u128),
+        ];
+        for (what, v) in sizes {
+            need(v <= i32::MAX as u128, || {
+                err(format!("{what} = {v} exceeds {} (2^31 − 1), the largest size the GPU's kernels and cuBLAS take", i32::MAX))
+                    .with_hint("split the work: a smaller micro_batch with more grad_accum, or tp/cp to divide it")
+            })?;
+        }
+        Ok(())
     }
 
     fn check_run(&self) -> Result<(), ConfigError> {

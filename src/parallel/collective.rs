@@ -208,6 +208,47 @@ impl<'g, B: Backend<f32> + Clone> StagedMesh<'g, B> {
     }
 }
 
+/// The bookkeeping of collectives that have completed (as far as the caller can tell) when they
+/// are started — run blocking, or enqueued on the device's stream in order with the compute:
+/// their buffers until waited for, and each ring exchange's received block until finished.
+pub struct Finished<V> {
+    done: RefCell<BTreeMap<u64, Buffers<V>>>,
+    next: std::cell::Cell<u64>,
+    ring: RefCell<BTreeMap<usize, V>>,
+}
+
+impl<V> Default for Finished<V> {
+    fn default() -> Self {
+        Finished { done: RefCell::new(BTreeMap::new()), next: std::cell::Cell::new(0), ring: RefCell::new(BTreeMap::new()) }
+    }
+}
+
+impl<V> Finished<V> {
+    /// Holds a finished collective's buffers; its ticket.
+    pub fn keep(&self, send: V, recv: V) -> Ticket {
+        let id = self.next.get();
+        self.next.set(id + 1);
+        self.done.borrow_mut().insert(id, (send, recv));
+        Ticket(id)
+    }
+
+    /// The buffers of the collective of `t`.
+    pub fn take(&self, t: Ticket) -> Buffers<V> {
+        self.done.borrow_mut().remove(&t.0).expect("a ticket of this group, waited for once")
+    }
+
+    /// Holds the block ring exchange `slot` received.
+    pub fn hold_shift(&self, slot: usize, received: V) {
+        let old = self.ring.borrow_mut().insert(slot, received);
+        assert!(old.is_none(), "ring slot {slot} already in flight");
+    }
+
+    /// The block ring exchange `slot` received.
+    pub fn take_shift(&self, slot: usize) -> V {
+        self.ring.borrow_mut().remove(&slot).expect("finish_shift after start_shift")
+    }
+}
+
 /// Every mesh group's collectives on buffers `V`, as the strategies use them.
 pub struct MeshCollectives<'a, V> {
     pub tp: &'a dyn Collective<V>,

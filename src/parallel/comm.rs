@@ -90,6 +90,22 @@ pub fn abort(code: i32) -> ! {
     SimpleCommunicator::world().abort(code)
 }
 
+/// Whether the MPI library says it takes device (CUDA) buffers itself: Open MPI's
+/// `MPIX_Query_cuda_support`, looked up at run time; an MPI without the symbol says no.
+pub fn cuda_aware() -> bool {
+    // SAFETY: dlsym with RTLD_DEFAULT only looks a name up in the loaded libraries; where it is
+    // found it is Open MPI's `int MPIX_Query_cuda_support(void)`, which takes nothing and may be
+    // called after MPI_Init.
+    unsafe {
+        let sym = libc::dlsym(libc::RTLD_DEFAULT, c"MPIX_Query_cuda_support".as_ptr());
+        if sym.is_null() {
+            return false;
+        }
+        let query: extern "C" fn() -> libc::c_int = std::mem::transmute(sym);
+        query() != 0
+    }
+}
+
 /// Ends the job from this rank for a failure only it may have seen (a device fault): prints
 /// `error: rank R: MESSAGE` as one write and aborts every rank with the run-failure code.
 pub fn fail(message: &str) -> ! {
@@ -123,20 +139,9 @@ fn install_abort_on_panic() {
 }
 
 /// A non-blocking collective started on a [`Group`] (or on another implementation of a group's
-/// collectives), to be completed by its `wait`.
+/// collectives, `parallel::collective`), to be completed by its `wait`.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Ticket(pub(super) u64);
-
-impl Ticket {
-    /// A ticket of a collective another library runs on this group's behalf.
-    pub fn new(id: u64) -> Ticket {
-        Ticket(id)
-    }
-
-    pub fn id(&self) -> u64 {
-        self.0
-    }
-}
 
 /// A non-blocking collective in flight. It owns its buffers, so nothing can read or write
 /// them before it completes; dropping it waits for completion.
@@ -189,6 +194,17 @@ impl Drop for Pending {
     fn drop(&mut self) {
         self.finish();
     }
+}
+
+/// A collective on raw pointers ([`Group::raw_collective`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RawCollective {
+    AllReduceSum,
+    AllReduceMax,
+    AllGather,
+    ReduceScatterSum,
+    /// Send to the next rank of the group, receive from the previous (tag = the slot).
+    RingShift(usize),
 }
 
 /// Calls, bytes and seconds of one collective kind on one group.
@@ -519,6 +535,52 @@ impl Group {
         let (send, recv) = self.complete(p);
         out.copy_from_slice(&recv);
         self.ring_spare.borrow_mut().extend([send, recv]);
+    }
+
+    /// Blocking collectives on memory the MPI library reads and writes through raw pointers: a
+    /// device's buffers handed to a CUDA-aware MPI ([`cuda_aware`]). Counted like the host's.
+    /// `count` is the elements of `send` (of `recv` for a reduce-scatter); the group has more
+    /// than one rank (a lone rank's collective is a copy the caller makes).
+    ///
+    /// # Safety
+    /// `send` and `recv` are valid for the elements the collective reads and writes (`recv` of
+    /// an all-gather holds `size × count`, `send` of a reduce-scatter `size × count`), in
+    /// memory this MPI accepts, do not overlap, and nothing else touches them (the device work
+    /// that produced `send` has finished) until the call returns.
+    pub unsafe fn raw_collective(&self, op: RawCollective, send: *const f32, recv: *mut f32, count: usize) {
+        assert!(self.size > 1, "a raw collective over one rank: the caller copies");
+        let start = Instant::now();
+        let (s, r, n) = (send as *const c_void, recv as *mut c_void, count as i32);
+        let comm = self.comm.as_raw();
+        let (kind, bytes) = waiting(|| match op {
+            RawCollective::AllReduceSum | RawCollective::AllReduceMax => {
+                let mpi_op = if op == RawCollective::AllReduceSum { ffi::RSMPI_SUM } else { ffi::RSMPI_MAX };
+                // SAFETY: as the caller guarantees.
+                unsafe { ffi::MPI_Allreduce(s, r, n, ffi::RSMPI_FLOAT, mpi_op, comm) };
+                ("all_reduce", 4 * count)
+            }
+            RawCollective::AllGather => {
+                // SAFETY: as the caller guarantees.
+                unsafe { ffi::MPI_Allgather(s, n, ffi::RSMPI_FLOAT, r, n, ffi::RSMPI_FLOAT, comm) };
+                ("all_gather", 4 * count * self.size)
+            }
+            RawCollective::ReduceScatterSum => {
+                // SAFETY: as the caller guarantees.
+                unsafe { ffi::MPI_Reduce_scatter_block(s, r, n, ffi::RSMPI_FLOAT, ffi::RSMPI_SUM, comm) };
+                ("reduce_scatter", 4 * count * self.size)
+            }
+            RawCollective::RingShift(slot) => {
+                let next = ((self.rank + 1) % self.size) as i32;
+                let prev = ((self.rank + self.size - 1) % self.size) as i32;
+                let tag = slot as i32;
+                // SAFETY: as the caller guarantees; the send and the receive are one call.
+                unsafe {
+                    ffi::MPI_Sendrecv(s, n, ffi::RSMPI_FLOAT, next, tag, r, n, ffi::RSMPI_FLOAT, prev, tag, comm, ffi::RSMPI_STATUS_IGNORE)
+                };
+                ("ring", 4 * count)
+            }
+        });
+        self.record(kind, bytes, start);
     }
 
     /// Minimum and maximum of one value across the group (for run summaries).

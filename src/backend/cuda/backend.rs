@@ -75,6 +75,8 @@ struct Shared {
     dscores: RefCell<DevBuf<f32>>,
     /// The gradient norm's per-block partial sums.
     partials: RefCell<DevBuf<f64>>,
+    /// What `ndtrain plan` predicts this rank holds, for the message of a failed allocation.
+    planned_bytes: std::cell::Cell<Option<usize>>,
 }
 
 /// Blocks of the gradient-norm reduction (a fixed grid: the sum is deterministic).
@@ -136,6 +138,7 @@ impl GpuBackend {
             scores: RefCell::new(DevBuf::default()),
             dscores: RefCell::new(DevBuf::default()),
             partials,
+            planned_bytes: std::cell::Cell::new(None),
         };
         Ok(GpuBackend { shared: Rc::new(shared), precision })
     }
@@ -145,7 +148,33 @@ impl GpuBackend {
     }
 
     fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> DevBuf<T> {
-        DevBuf(if n == 0 { None } else { Some(ok("allocation", self.gpu().zeros::<T>(n))) })
+        if n == 0 {
+            return DevBuf(None);
+        }
+        match self.gpu().zeros::<T>(n) {
+            Ok(s) => DevBuf(Some(s)),
+            Err(e) => crate::parallel::comm::fail(&self.allocation_failure(n * std::mem::size_of::<T>(), &e)),
+        }
+    }
+
+    /// What `ndtrain plan` predicts this rank holds (said when an allocation fails).
+    pub fn set_planned_bytes(&self, bytes: usize) {
+        self.shared.planned_bytes.set(Some(bytes));
+    }
+
+    /// The message of a failed allocation: the bytes asked, what the device has, what the plan
+    /// predicted.
+    fn allocation_failure(&self, bytes: usize, e: &str) -> String {
+        let mib = |b: usize| b as f64 / 1048576.0;
+        let device = match self.gpu().memory_info() {
+            Ok((free, total)) => format!("; the device has {:.1} MiB free of {:.1} MiB", mib(free), mib(total)),
+            Err(_) => String::new(),
+        };
+        let plan =
+            self.shared.planned_bytes.get().map_or(String::new(), |p| {
+                format!("; `ndtrain plan` predicts {:.1} MiB per rank for this deck (docs/planning.md)", mib(p))
+            });
+        format!("GPU allocation of {:.1} MiB failed: {e}{device}{plan}", mib(bytes))
     }
 
     fn put<T: DeviceRepr + Copy + ValidAsZeroBits>(&self, dst: &mut DevBuf<T>, host: &[T]) {

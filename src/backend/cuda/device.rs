@@ -82,6 +82,11 @@ impl Gpu {
             .map_err(|e| format!("ncclCommInitRank ({} ranks in {}): {e:?}", group.size(), group.name()))
     }
 
+    /// The device's free and total memory, in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize), String> {
+        self.stream.context().mem_get_info().map_err(err("reading the device's free memory"))
+    }
+
     /// `dst = src` on the device (same lengths).
     pub fn copy(&self, dst: &mut CudaViewMut<'_, f32>, src: &CudaView<'_, f32>) -> Result<(), String> {
         need("copy", src.len() == dst.len())?;

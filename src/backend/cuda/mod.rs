@@ -23,6 +23,7 @@ mod blas;
 pub mod check;
 mod device;
 mod launch;
+pub mod mpi;
 pub mod nccl;
 
 pub use blas::{gemm_config, Operand};

@@ -11,17 +11,12 @@
 use super::backend::{ok, DevBuf, GpuBackend};
 use crate::backend::Backend;
 use crate::config::CommBackend;
-use crate::parallel::collective::{Collective, MeshCollectives};
+use crate::parallel::collective::{Collective, Finished, MeshCollectives};
 use crate::parallel::comm::{Group, Ticket};
 use crate::parallel::mesh::Mesh;
 use cudarc::nccl::{Comm, ReduceOp};
-use std::cell::{Cell, RefCell};
-use std::collections::BTreeMap;
 use std::ops::Range;
 use std::time::Instant;
-
-/// The buffers of a collective that has been enqueued, until it is waited for.
-type Buffers = (DevBuf<f32>, DevBuf<f32>);
 
 /// One mesh group's collectives over NCCL.
 pub struct NcclGroup<'g> {
@@ -29,10 +24,8 @@ pub struct NcclGroup<'g> {
     /// The group's MPI communicator: its coordinates and its counters.
     group: &'g Group,
     be: GpuBackend,
-    done: RefCell<BTreeMap<u64, Buffers>>,
-    next: Cell<u64>,
-    /// Ring exchanges by slot: the block received from the previous rank.
-    ring: RefCell<BTreeMap<usize, DevBuf<f32>>>,
+    /// The enqueued collectives' buffers and the ring's received blocks.
+    finished: Finished<DevBuf<f32>>,
 }
 
 /// `Err` of an NCCL call, as the run-time failure it is.
@@ -44,21 +37,7 @@ impl<'g> NcclGroup<'g> {
     /// The communicator of `group` on `be`'s GPU (a collective call over the group).
     pub fn new(be: &GpuBackend, group: &'g Group) -> Result<Self, String> {
         let comm = be.gpu().nccl(group)?;
-        Ok(NcclGroup {
-            comm,
-            group,
-            be: be.clone(),
-            done: RefCell::new(BTreeMap::new()),
-            next: Cell::new(0),
-            ring: RefCell::new(BTreeMap::new()),
-        })
-    }
-
-    fn keep(&self, send: DevBuf<f32>, recv: DevBuf<f32>) -> Ticket {
-        let id = self.next.get();
-        self.next.set(id + 1);
-        self.done.borrow_mut().insert(id, (send, recv));
-        Ticket::new(id)
+        Ok(NcclGroup { comm, group, be: be.clone(), finished: Finished::default() })
     }
 
     fn peers(&self) -> (i32, i32) {
@@ -113,11 +92,11 @@ impl Collective<DevBuf<f32>> for NcclGroup<'_> {
     }
     fn start_all_gather(&self, send: DevBuf<f32>, mut recv: DevBuf<f32>) -> Ticket {
         self.all_gather(&send, &mut recv);
-        self.keep(send, recv)
+        self.finished.keep(send, recv)
     }
     fn start_reduce_scatter_sum(&self, send: DevBuf<f32>, mut recv: DevBuf<f32>) -> Ticket {
         self.reduce_scatter_sum(&send, &mut recv);
-        self.keep(send, recv)
+        self.finished.keep(send, recv)
     }
     fn start_all_reduce_sum(&self, send: DevBuf<f32>, mut recv: DevBuf<f32>) -> Ticket {
         if !send.is_empty() {
@@ -125,14 +104,14 @@ impl Collective<DevBuf<f32>> for NcclGroup<'_> {
             nccl("NCCL all-reduce", self.comm.all_reduce(send.get(), recv.get_mut(), &ReduceOp::Sum));
             self.group.count("all_reduce", 4 * send.len(), start);
         }
-        self.keep(send, recv)
+        self.finished.keep(send, recv)
     }
     /// Enqueued on the stream the compute runs on: complete for everything enqueued after it.
     fn test(&self, _t: &Ticket) -> bool {
         true
     }
-    fn wait(&self, t: Ticket) -> Buffers {
-        self.done.borrow_mut().remove(&t.id()).expect("a ticket of this group, waited for once")
+    fn wait(&self, t: Ticket) -> (DevBuf<f32>, DevBuf<f32>) {
+        self.finished.take(t)
     }
     fn start_shift(&self, slot: usize, buf: &DevBuf<f32>) {
         let mut recv = self.be.zeros(buf.len());
@@ -145,12 +124,10 @@ impl Collective<DevBuf<f32>> for NcclGroup<'_> {
             drop(g);
             self.group.count("ring", 4 * buf.len(), start);
         }
-        let old = self.ring.borrow_mut().insert(slot, recv);
-        assert!(old.is_none(), "ring slot {slot} already in flight");
+        self.finished.hold_shift(slot, recv);
     }
     fn finish_shift(&self, slot: usize, buf: &mut DevBuf<f32>) {
-        let recv = self.ring.borrow_mut().remove(&slot).expect("finish_shift after start_shift");
-        self.be.copy(buf, &recv);
+        self.be.copy(buf, &self.finished.take_shift(slot));
     }
 }
 
@@ -178,18 +155,24 @@ impl<'g> NcclMesh<'g> {
     }
 }
 
-/// The collectives a job of `ranks_on_node` ranks per node on `gpus` GPUs per node runs:
-/// `auto` is NCCL when every rank has a GPU of its own, else staged; NCCL asked for with ranks
-/// sharing a GPU is an error with a hint (NCCL refuses two ranks on one device).
-pub fn choose(asked: CommBackend, ranks_on_node: usize, gpus: usize) -> Result<CommBackend, String> {
+/// The collectives a job of `ranks_on_node` ranks per node on `gpus` GPUs per node runs, with
+/// an MPI that is (or is not) `cuda_aware`: `auto` is NCCL when every rank has a GPU of its
+/// own, else CUDA-aware MPI where the library says it takes device buffers, else staged. NCCL
+/// asked for with ranks sharing a GPU (NCCL refuses two ranks on one device), or CUDA-aware MPI
+/// of an MPI that is not, is an error with a hint.
+pub fn choose(asked: CommBackend, ranks_on_node: usize, gpus: usize, cuda_aware: bool) -> Result<CommBackend, String> {
     let own_gpu = ranks_on_node <= gpus;
     match asked {
         CommBackend::Auto if own_gpu => Ok(CommBackend::Nccl),
+        CommBackend::Auto if cuda_aware => Ok(CommBackend::Mpi),
         CommBackend::Auto => Ok(CommBackend::Staged),
         CommBackend::Nccl if !own_gpu => Err(format!(
             "[parallel] comm_backend = \"nccl\": {ranks_on_node} ranks on this node share {gpus} GPU(s), and NCCL needs one GPU per \
              rank\nHINT: run one rank per GPU, or comm_backend = \"staged\" (any number of ranks per GPU)"
         )),
+        CommBackend::Mpi if !cuda_aware => Err("[parallel] comm_backend = \"mpi\": this MPI does not say it takes device buffers \
+             (MPIX_Query_cuda_support)\nHINT: comm_backend = \"nccl\" or \"staged\", or an MPI built with CUDA support"
+            .into()),
         other => Ok(other),
     }
 }
@@ -199,11 +182,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn nccl_is_chosen_only_with_a_gpu_per_rank() {
-        assert_eq!(choose(CommBackend::Auto, 4, 4), Ok(CommBackend::Nccl));
-        assert_eq!(choose(CommBackend::Auto, 8, 4), Ok(CommBackend::Staged));
-        assert_eq!(choose(CommBackend::Staged, 1, 8), Ok(CommBackend::Staged));
-        let e = choose(CommBackend::Nccl, 2, 1).unwrap_err();
+    fn nccl_is_chosen_only_with_a_gpu_per_rank_and_mpi_only_where_it_takes_device_buffers() {
+        assert_eq!(choose(CommBackend::Auto, 4, 4, false), Ok(CommBackend::Nccl));
+        assert_eq!(choose(CommBackend::Auto, 8, 4, false), Ok(CommBackend::Staged));
+        assert_eq!(choose(CommBackend::Auto, 8, 4, true), Ok(CommBackend::Mpi));
+        assert_eq!(choose(CommBackend::Staged, 1, 8, true), Ok(CommBackend::Staged));
+        let e = choose(CommBackend::Nccl, 2, 1, true).unwrap_err();
         assert!(e.contains("2 ranks on this node share 1 GPU(s)") && e.contains("HINT"), "{e}");
+        let e = choose(CommBackend::Mpi, 1, 1, false).unwrap_err();
+        assert!(e.contains("MPIX_Query_cuda_support") && e.contains("HINT"), "{e}");
     }
 }
