@@ -430,9 +430,10 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         say!("{line}");
     }
     let deck_text = format!(
-        "# Resolved by ndtrain {} for {} ranks: layout dp_replicate={} dp_shard={} cp={} tp={}, grad_accum={}, global_batch={}, peak lr={:e}\n{}",
+        "# Resolved by ndtrain {} for {} ranks: layout pp={} dp_replicate={} dp_shard={} cp={} tp={}, grad_accum={}, global_batch={}, peak lr={:e}\n{}",
         env!("CARGO_PKG_VERSION"),
         mesh.world.size(),
+        res.layout.pp,
         res.layout.dp_replicate,
         res.layout.dp_shard,
         res.layout.cp,

@@ -193,7 +193,7 @@ impl std::ops::IndexMut<Phase> for PhaseTimes {
 
 /// The collectives every timing log has columns for, as `group.kind` (a group of degree 1
 /// never communicates, so its columns stay 0).
-pub const COLLECTIVES: [&str; 10] = [
+pub const COLLECTIVES: [&str; 13] = [
     "cp.ring",
     "cp.all_reduce",
     "fsdp.all_gather",
@@ -204,6 +204,9 @@ pub const COLLECTIVES: [&str; 10] = [
     "tp.all_reduce",
     "tp.all_gather",
     "tp.reduce_scatter",
+    "pp.send",
+    "pp.recv",
+    "pp.all_reduce",
 ];
 
 /// Bytes of model state one rank holds (high-water marks where they vary).

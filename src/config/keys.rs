@@ -16,6 +16,8 @@ use toml::{Table, Value};
 
 /// Alternative spellings accepted for a key: `(table, alias, canonical key)`.
 pub(crate) const ALIASES: &[(&str, &str, &str)] = &[
+    ("parallel", "pp_size", "pp"),
+    ("parallel", "pipeline_parallel_size", "pp"),
     ("parallel", "dp_replicate_size", "dp_replicate"),
     ("parallel", "dp_shard_size", "dp_shard"),
     ("parallel", "tp_size", "tp"),

@@ -8,11 +8,13 @@
 //! Every table, key, default, alias and rule is documented in `docs/input_deck.md`.
 
 mod keys;
+mod pipeline;
 mod validate;
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+pub use pipeline::balanced_split;
 pub use validate::{Layout, Resolved};
 
 /// A deck error: one line for people, naming the table, the key and the numbers.
@@ -151,10 +153,17 @@ impl ModelCfg {
     }
 }
 
-/// `[parallel]`: the degrees of the 4-D mesh. `dp_shard = -1` fills what is left of the world.
+/// `[parallel]`: the degrees of the 5-D mesh. `dp_shard = -1` fills what is left of the world.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ParallelCfg {
+    /// Pipeline stages (the slowest mesh axis: stages span nodes).
+    pub pp: i64,
+    /// Model chunks per pipeline rank (`interleaved` runs more than one).
+    pub pp_virtual: i64,
+    pub pp_schedule: PpSchedule,
+    /// Blocks per stage, in stage order (`pp × pp_virtual` entries); empty: balanced by cost.
+    pub pp_layers: Vec<usize>,
     pub dp_replicate: i64,
     pub dp_shard: i64,
     pub cp: i64,
@@ -197,9 +206,41 @@ impl CommBackend {
     }
 }
 
+/// `[parallel] pp_schedule`: the order in which a pipeline rank runs its micro-batches'
+/// forwards and backwards (`docs/parallelism.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PpSchedule {
+    /// Every forward, then every backward.
+    Gpipe,
+    /// One forward, one backward in steady state: at most `pp` micro-batches in flight.
+    #[default]
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// 1F1B over `pp_virtual` model chunks per rank: the bubble shrinks by `pp_virtual`.
+    Interleaved,
+    /// ZB-H1: backward split into input- and weight-gradient halves, the latter filling the bubble.
+    ZeroBubble,
+}
+
+impl PpSchedule {
+    pub fn name(self) -> &'static str {
+        match self {
+            PpSchedule::Gpipe => "gpipe",
+            PpSchedule::OneFOneB => "1f1b",
+            PpSchedule::Interleaved => "interleaved",
+            PpSchedule::ZeroBubble => "zero_bubble",
+        }
+    }
+}
+
 impl Default for ParallelCfg {
     fn default() -> Self {
         ParallelCfg {
+            pp: 1,
+            pp_virtual: 1,
+            pp_schedule: PpSchedule::OneFOneB,
+            pp_layers: vec![],
             dp_replicate: 1,
             dp_shard: -1,
             cp: 1,

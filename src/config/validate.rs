@@ -16,6 +16,7 @@ use super::{ConfigError, Deck, LrScaling, Source};
 /// The resolved mesh degrees, outermost to innermost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Layout {
+    pub pp: usize,
     pub dp_replicate: usize,
     pub dp_shard: usize,
     pub cp: usize,
@@ -24,7 +25,7 @@ pub struct Layout {
 
 impl Layout {
     pub fn world_size(&self) -> usize {
-        self.dp_replicate * self.dp_shard * self.cp * self.tp
+        self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
     }
     /// Data-parallel degree: ranks that see different samples (the `batch` group).
     pub fn dp(&self) -> usize {
@@ -46,6 +47,9 @@ pub struct Resolved {
     pub global_batch: usize,
     /// Peak learning rate after `lr_scaling`.
     pub lr: f64,
+    /// Blocks of each pipeline stage, in stage order (`pp × pp_virtual` entries; one entry,
+    /// every block, without a pipeline): `pp_layers`, or the split that balances the cost.
+    pub stage_layers: Vec<usize>,
     /// Tokens per optimiser step over the whole job: `global_batch × seq_len`.
     pub tokens_per_step: usize,
     /// Lines for people, printed by rank 0 at start: the layout, the effective batch and, when
@@ -62,7 +66,7 @@ fn need(ok: bool, make: impl FnOnce() -> ConfigError) -> Result<(), ConfigError>
     }
 }
 
-fn err(message: String) -> ConfigError {
+pub(super) fn err(message: String) -> ConfigError {
     ConfigError::new(message)
 }
 
@@ -178,11 +182,13 @@ impl Deck {
         let seq_len = self.train.seq_len;
         let tokens_per_step = mul(global_batch, seq_len, || format!("global_batch({global_batch}) × seq_len({seq_len})"))?;
         let (lr, lr_line) = self.scaled_lr(global_batch)?;
+        let stage_layers = self.check_pipeline(&layout, grad_accum)?;
 
-        let Layout { dp_replicate, dp_shard, cp, tp } = layout;
+        let Layout { pp, dp_replicate, dp_shard, cp, tp } = layout;
+        let pp_part = if pp > 1 { format!("pp({pp}) × ") } else { String::new() };
         let mut summary = vec![
             format!(
-                "layout: dp_replicate({dp_replicate}) × dp_shard({dp_shard}) × cp({cp}) × tp({tp}) = {} (dp = {}, fsdp = {}{})",
+                "layout: {pp_part}dp_replicate({dp_replicate}) × dp_shard({dp_shard}) × cp({cp}) × tp({tp}) = {} (dp = {}, fsdp = {}{})",
                 ranks(world_size),
                 layout.dp(),
                 layout.fsdp(),
@@ -195,7 +201,10 @@ impl Deck {
             ),
         ];
         summary.extend(lr_line);
-        Ok(Resolved { deck: self.clone(), layout, grad_accum, global_batch, lr, tokens_per_step, summary })
+        if pp > 1 {
+            summary.push(self.pipeline_line(&stage_layers));
+        }
+        Ok(Resolved { deck: self.clone(), layout, grad_accum, global_batch, lr, tokens_per_step, stage_layers, summary })
     }
 
     /// The sizes the GPU's kernels and cuBLAS take as 32-bit integers: a deck beyond them is
@@ -280,7 +289,7 @@ impl Deck {
 
     fn check_parallel(&self) -> Result<(), ConfigError> {
         let p = &self.parallel;
-        for (key, v) in [("dp_replicate", p.dp_replicate), ("cp", p.cp), ("tp", p.tp)] {
+        for (key, v) in [("pp", p.pp), ("pp_virtual", p.pp_virtual), ("dp_replicate", p.dp_replicate), ("cp", p.cp), ("tp", p.tp)] {
             need(v >= 1, || err(format!("[parallel] {key} must be ≥ 1, but it is {v}")))?;
         }
         need(p.dp_shard >= 1 || p.dp_shard == -1, || {
@@ -358,18 +367,24 @@ impl Deck {
         need(world_size >= 1, || err("the job has 0 ranks".into()))?;
         let p = &self.parallel;
         let deg = |v: i64, key: &str| usize::try_from(v).map_err(|_| err(format!("[parallel] {key}({v}) is out of range")));
-        let (r, cp, tp) = (deg(p.dp_replicate, "dp_replicate")?, deg(p.cp, "cp")?, deg(p.tp, "tp")?);
-        let fixed = r.checked_mul(cp).and_then(|x| x.checked_mul(tp));
+        let (pp, r, cp, tp) = (deg(p.pp, "pp")?, deg(p.dp_replicate, "dp_replicate")?, deg(p.cp, "cp")?, deg(p.tp, "tp")?);
+        // The degrees other than dp_shard, as they are named in messages (pp only when used).
+        let (pp_name, pp_part) = if pp > 1 { (format!("pp({pp}) × "), "pp × ") } else { (String::new(), "") };
+        let fixed = pp.checked_mul(r).and_then(|x| x.checked_mul(cp)).and_then(|x| x.checked_mul(tp));
         let Some(fixed) = fixed else {
-            return Err(err(format!("[parallel] dp_replicate({r}) × cp({cp}) × tp({tp}) is too large (overflows)")));
+            return Err(err(format!("[parallel] {pp_name}dp_replicate({r}) × cp({cp}) × tp({tp}) is too large (overflows)")));
         };
         let dp_shard = if p.dp_shard == -1 {
             need(world_size % fixed == 0, || {
                 err(format!(
-                    "[parallel] dp_shard = -1 fills the world, but the job has {}, not a multiple of dp_replicate({r}) × cp({cp}) × tp({tp}) = {fixed}",
+                    "[parallel] dp_shard = -1 fills the world, but the job has {}, not a multiple of {pp_name}dp_replicate({r}) × cp({cp}) × tp({tp}) = {fixed}",
                     ranks(world_size)
                 ))
-                .with_hint(format!("run with a multiple of {fixed} ranks (e.g. {}), or lower dp_replicate, cp or tp", nearest_multiples(world_size, fixed)))
+                .with_hint(format!(
+                    "run with a multiple of {fixed} ranks (e.g. {}), or lower {}dp_replicate, cp or tp",
+                    nearest_multiples(world_size, fixed),
+                    if pp > 1 { "pp, " } else { "" }
+                ))
             })?;
             world_size / fixed
         } else {
@@ -378,7 +393,7 @@ impl Deck {
             need(product == Some(world_size), || {
                 let product = product.map_or("too large".to_string(), |n| n.to_string());
                 let e = err(format!(
-                    "[parallel] dp_replicate({r}) × dp_shard({s}) × cp({cp}) × tp({tp}) = {product}, but the job has {}",
+                    "[parallel] {pp_name}dp_replicate({r}) × dp_shard({s}) × cp({cp}) × tp({tp}) = {product}, but the job has {}",
                     ranks(world_size)
                 ));
                 if world_size % fixed == 0 {
@@ -389,14 +404,14 @@ impl Deck {
                     ))
                 } else {
                     e.with_hint(format!(
-                        "run with {product} ranks; {} is not a multiple of dp_replicate × cp × tp = {fixed}, so no dp_shard fits",
+                        "run with {product} ranks; {} is not a multiple of {pp_part}dp_replicate × cp × tp = {fixed}, so no dp_shard fits",
                         ranks(world_size)
                     ))
                 }
             })?;
             s
         };
-        Ok(Layout { dp_replicate: r, dp_shard, cp, tp })
+        Ok(Layout { pp, dp_replicate: r, dp_shard, cp, tp })
     }
 
     /// Rules between the degrees and the model or the sequence length.
@@ -549,7 +564,7 @@ mod tests {
     #[test]
     fn default_deck_fills_the_world_with_dp_shard() {
         let r = Deck::default().resolve(4).unwrap();
-        assert_eq!(r.layout, Layout { dp_replicate: 1, dp_shard: 4, cp: 1, tp: 1 });
+        assert_eq!(r.layout, Layout { pp: 1, dp_replicate: 1, dp_shard: 4, cp: 1, tp: 1 });
         assert_eq!((r.grad_accum, r.global_batch, r.tokens_per_step), (1, 4, 4 * 64));
         assert_eq!(r.summary[0], "layout: dp_replicate(1) × dp_shard(4) × cp(1) × tp(1) = 4 ranks (dp = 4, fsdp = 4)");
         assert_eq!(r.summary[1], "effective batch = micro_batch(1) × grad_accum(1) × dp(4) = 4 sequences = 256 tokens");

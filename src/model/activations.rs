@@ -172,4 +172,26 @@ impl ActivationMemory {
     pub fn total(&self) -> usize {
         self.activations() + self.backward
     }
+
+    /// `k` copies of this (the models of `k` micro-batches in flight on a pipeline stage).
+    pub fn times(self, k: usize) -> ActivationMemory {
+        ActivationMemory {
+            saved: k * self.saved,
+            recompute: k * self.recompute,
+            logits: k * self.logits,
+            head: k * self.head,
+            backward: k * self.backward,
+        }
+    }
+
+    /// The sum of two (a pipeline rank's chunks).
+    pub fn plus(self, o: ActivationMemory) -> ActivationMemory {
+        ActivationMemory {
+            saved: self.saved + o.saved,
+            recompute: self.recompute + o.recompute,
+            logits: self.logits + o.logits,
+            head: self.head + o.head,
+            backward: self.backward + o.backward,
+        }
+    }
 }

@@ -150,14 +150,15 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         let nl = rows.local;
         let acts = |role| block_acts_lens(m, n, rows, ckpt, role).iter().sum::<usize>();
         let grads: usize = block_grads_lens(m, n, rows).iter().sum();
-        let head = nl * m.d + nl + nl * m.d + rows.gathered * m.d + n;
+        let h = m.head as usize;
+        let head = nl * m.d + h * (nl + nl * m.d + rows.gathered * m.d + n);
         ActivationMemory {
             saved: 4 * m.layers * acts(ActsRole::Saved),
             recompute: 4 * acts(ActsRole::Scratch),
-            logits: 4 * n * m.vocab_local,
+            logits: 4 * h * n * m.vocab_local,
             head: 4 * head,
             // Block gradients, the residual's gradient, and the loss's two row scratches.
-            backward: 4 * (grads + nl * m.d + 2 * n),
+            backward: 4 * (grads + nl * m.d + h * 2 * n),
         }
     }
 
@@ -173,14 +174,16 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         self.scratch = BlockActs::alloc(be, &self.m, n, rows, self.ckpt, ActsRole::Scratch);
         self.scratch_is_last_block = false;
         self.grads = BlockGrads::alloc(be, &self.m, n, rows);
-        self.ce_max = be.zeros(n);
-        self.ce_target = be.zeros(n);
+        // The head's buffers exist on the stage that runs it (every rank without a pipeline).
+        let h = self.m.head as usize;
+        self.ce_max = be.zeros(h * n);
+        self.ce_target = be.zeros(h * n);
         self.x_final = be.zeros(nl * d);
-        self.rstd_f = be.zeros(nl);
-        self.xf = be.zeros(nl * d);
-        self.xf_full = be.zeros(rows.gathered * d);
-        self.logits = be.zeros(n * v);
-        self.lse_ce = be.zeros(n);
+        self.rstd_f = be.zeros(h * nl);
+        self.xf = be.zeros(h * nl * d);
+        self.xf_full = be.zeros(h * rows.gathered * d);
+        self.logits = be.zeros(h * n * v);
+        self.lse_ce = be.zeros(h * n);
         self.dx = be.zeros(nl * d);
         self.bs = (b, s);
         self.rows = rows;
@@ -216,6 +219,20 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
     /// `tok.positions` are the global positions of this rank's tokens (under context
     /// parallelism, its chunks of the sequence).
     pub fn forward_with<W: WeightSource<B::Buf>>(&mut self, w: &mut W, tok: &Tokens, hooks: Hooks<'_, T, B>) -> f64 {
+        self.forward_stage(w, tok, hooks, None)
+    }
+
+    /// [`Model::forward_with`] for a piece of a pipeline (`Dims::stage`): from the tokens where
+    /// this piece runs the embedding, else from `input` (`[N_local, D]`, the previous stage's
+    /// [`Model::stage_output`]); to the loss where it runs the head (returned), else to
+    /// [`Model::stage_output`] (and 0 is returned).
+    pub fn forward_stage<W: WeightSource<B::Buf>>(
+        &mut self,
+        w: &mut W,
+        tok: &Tokens,
+        hooks: Hooks<'_, T, B>,
+        input: Option<&B::Buf>,
+    ) -> f64 {
         let tp = hooks.tp;
         let (b, s) = (tok.batch, tok.seq);
         assert_eq!(tok.inputs.len(), b * s, "inputs must be [B*S]");
@@ -235,9 +252,13 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         // (into this rank's rows of the residual stream).
         let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
         let x0 = if nl > 0 { &mut self.saved[0].x } else { &mut self.x_final };
-        let partial = tp.partial(x0, &mut self.grads.full_b);
-        be.embed_fwd(partial, w.globals().embed_tokens, &self.inputs, off, valid, d);
-        tp.finish(x0, &self.grads.full_b);
+        if self.m.embed {
+            let partial = tp.partial(x0, &mut self.grads.full_b);
+            be.embed_fwd(partial, w.globals().embed_tokens, &self.inputs, off, valid, d);
+            tp.finish(x0, &self.grads.full_b);
+        } else {
+            be.copy(x0, input.expect("a stage without the embedding starts from the previous stage's output"));
+        }
         for l in 0..nl {
             let (saved_l, rest) = self.saved[l..].split_first_mut().expect("layer exists");
             let out = match rest.first_mut() {
@@ -261,6 +282,9 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         }
         self.scratch_is_last_block = nl > 0;
         self.attn_pairs += hooks.attention.visible_pairs(&self.positions) * (b * self.m.heads_local * nl) as u64;
+        if !self.m.head {
+            return 0.0;
+        }
         let g = w.globals();
         // Final norm, output projection [N, V_local], vocab-parallel cross entropy: the row
         // maximum, the sum of exponentials and the target logit are each reduced across tp, so
@@ -288,6 +312,31 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         loss_scale: T,
         hooks: Hooks<'_, T, B>,
     ) {
+        self.backward_stage(w, gs, loss_scale, hooks, None)
+    }
+
+    /// The output of the last forward of a stage without the head (`[N_local, D]`).
+    pub fn stage_output(&self) -> &B::Buf {
+        &self.x_final
+    }
+
+    /// The gradient of the loss w.r.t. the input of the last forward (`[N_local, D]`), after
+    /// [`Model::backward_stage`] of a stage without the embedding.
+    pub fn input_grad(&self) -> &B::Buf {
+        &self.dx
+    }
+
+    /// [`Model::backward_with`] for a piece of a pipeline: from the loss where this piece runs
+    /// the head, else from `output_grad` (the gradient w.r.t. its [`Model::stage_output`], from
+    /// the next stage); into the embedding where it runs it, else to [`Model::input_grad`].
+    pub fn backward_stage<W: WeightSource<B::Buf>, G: GradSink<B::Buf>>(
+        &mut self,
+        w: &mut W,
+        gs: &mut G,
+        loss_scale: T,
+        hooks: Hooks<'_, T, B>,
+        output_grad: Option<&B::Buf>,
+    ) {
         let tp = hooks.tp;
         let (b, s) = self.bs;
         let n = b * s;
@@ -296,9 +345,11 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
         let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s };
 
-        // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V_local].
-        be.ce_bwd_inplace(&mut self.logits, &self.lse_ce, &self.targets, v, off, valid, loss_scale);
-        {
+        if !self.m.head {
+            be.copy(&mut self.dx, output_grad.expect("a stage without the head starts from the next stage's gradient"));
+        } else {
+            // Loss and output projection: dlogits = scale·(softmax − onehot) [N, V_local].
+            be.ce_bwd_inplace(&mut self.logits, &self.lse_ce, &self.targets, v, off, valid, loss_scale);
             let (g, dg) = (w.globals(), gs.globals_mut());
             let dw_out = match dg.lm_head {
                 Some(h) => h,
@@ -347,9 +398,13 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         }
         // Embedding: dE[token[n]] += dx[n] for the vocabulary rows this rank holds (dx gathered
         // to all N rows: conjugate of the reduce-scatter after the lookup).
-        let de = gs.globals_mut().embed_tokens;
-        let dx = tp.gather(&self.dx, &mut self.grads.full_a);
-        be.embed_bwd(de, dx, &self.inputs, off, valid, d);
-        gs.globals_done();
+        if self.m.embed {
+            let de = gs.globals_mut().embed_tokens;
+            let dx = tp.gather(&self.dx, &mut self.grads.full_a);
+            be.embed_bwd(de, dx, &self.inputs, off, valid, d);
+        }
+        if self.m.embed || self.m.head {
+            gs.globals_done();
+        }
     }
 }

@@ -67,7 +67,17 @@ pub struct Dims {
     /// First global vocabulary row this rank holds.
     pub vocab_offset: usize,
     pub d: usize,
+    /// Blocks this rank holds (`layer_ids.len()`).
     pub layers: usize,
+    /// The global index of each block this rank holds, in the order it holds them (every
+    /// block without a pipeline; a stage's, or its chunks' one after another, with one).
+    pub layer_ids: Vec<usize>,
+    /// The model's blocks, on all stages (`[model] n_layers`).
+    pub n_layers: usize,
+    /// This rank runs the token embedding (the pipeline's first stage).
+    pub embed: bool,
+    /// This rank runs the final norm, the output projection and the loss (the last stage).
+    pub head: bool,
     /// Query heads on this rank (`H_local`).
     pub heads_local: usize,
     /// Key/value heads on this rank (`KV_local`).
@@ -92,6 +102,10 @@ impl Dims {
             vocab_offset: tp_rank * vocab_local,
             d: cfg.d_model,
             layers: cfg.n_layers,
+            layer_ids: (0..cfg.n_layers).collect(),
+            n_layers: cfg.n_layers,
+            embed: true,
+            head: true,
             heads_local: cfg.n_heads / tp,
             kv_heads_local: cfg.n_kv_heads / tp,
             hd: cfg.head_dim(),
@@ -107,6 +121,17 @@ impl Dims {
     /// The whole model on one rank.
     pub fn full(cfg: &ModelCfg) -> Dims {
         Dims::new(cfg, 1, 0)
+    }
+
+    /// The piece of a pipeline: the blocks `layer_ids`, with the embedding (`embed`) and the
+    /// head (`head`) where this piece runs them.
+    pub fn stage(&self, layer_ids: Vec<usize>, embed: bool, head: bool) -> Dims {
+        Dims { layers: layer_ids.len(), layer_ids, embed, head, ..self.clone() }
+    }
+
+    /// Holds `embed_tokens`: to look tokens up, or as the tied output projection.
+    pub fn holds_embedding(&self) -> bool {
+        self.embed || (self.head && self.tie)
     }
 
     /// Vocabulary rows of this rank that are real tokens (the rest is padding).
@@ -185,8 +210,11 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
         ParamSpec { name, shape, global_shape, kind, split, tp_rank: m.tp_rank }
     };
     use TpSplit::*;
-    let mut out = vec![spec("model.embed_tokens.weight".into(), vec![m.vocab_local, d], Rows, ParamKind::Matrix)];
-    for i in 0..m.layers {
+    let mut out = vec![];
+    if m.holds_embedding() {
+        out.push(spec("model.embed_tokens.weight".into(), vec![m.vocab_local, d], Rows, ParamKind::Matrix));
+    }
+    for &i in &m.layer_ids {
         let p = format!("model.layers.{i}.");
         out.push(spec(format!("{p}input_layernorm.weight"), vec![d], Replicated, ParamKind::Norm));
         out.push(spec(format!("{p}self_attn.q_proj.weight"), vec![q, d], Rows, ParamKind::Matrix));
@@ -198,9 +226,11 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
         out.push(spec(format!("{p}mlp.up_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
         out.push(spec(format!("{p}mlp.down_proj.weight"), vec![d, f], Cols, ParamKind::ResidualMatrix));
     }
-    out.push(spec("model.norm.weight".into(), vec![d], Replicated, ParamKind::Norm));
-    if !m.tie {
-        out.push(spec("lm_head.weight".into(), vec![m.vocab_local, d], Rows, ParamKind::Matrix));
+    if m.head {
+        out.push(spec("model.norm.weight".into(), vec![d], Replicated, ParamKind::Norm));
+        if !m.tie {
+            out.push(spec("lm_head.weight".into(), vec![m.vocab_local, d], Rows, ParamKind::Matrix));
+        }
     }
     out
 }
@@ -317,15 +347,46 @@ impl<V> Layer<V> {
 
 impl<V> Params<V> {
     /// This rank's tensors (`m.layers` blocks), each from `alloc(elements)` (host vectors, or
-    /// a backend's buffers).
+    /// a backend's buffers). A pipeline stage's tensors outside its pieces are empty.
     pub fn alloc(m: &Dims, mut alloc: impl FnMut(usize) -> V) -> Self {
         let (v, d) = (m.vocab_local, m.d);
+        let (e, h) = (m.holds_embedding() as usize, m.head as usize);
         Params {
-            embed_tokens: alloc(v * d),
+            embed_tokens: alloc(e * v * d),
             layers: (0..m.layers).map(|_| Layer::alloc(m, &mut alloc)).collect(),
-            norm: alloc(d),
-            lm_head: if m.tie { None } else { Some(alloc(v * d)) },
+            norm: alloc(h * d),
+            lm_head: if m.tie { None } else { Some(alloc(h * v * d)) },
         }
+    }
+
+    /// The tensors outside the blocks that `m` holds, in `param_specs_local` order.
+    pub fn globals_mut(&mut self, m: &Dims) -> Vec<&mut V> {
+        let mut v = vec![];
+        if m.holds_embedding() {
+            v.push(&mut self.embed_tokens);
+        }
+        if m.head {
+            v.push(&mut self.norm);
+            if let Some(h) = self.lm_head.as_mut() {
+                v.push(h);
+            }
+        }
+        v
+    }
+
+    /// [`Params::globals_mut`], read-only.
+    pub fn globals(&self, m: &Dims) -> Vec<&V> {
+        let mut v = vec![];
+        if m.holds_embedding() {
+            v.push(&self.embed_tokens);
+        }
+        if m.head {
+            v.push(&self.norm);
+            if let Some(h) = self.lm_head.as_ref() {
+                v.push(h);
+            }
+        }
+        v
     }
 
     /// Every tensor in `param_specs` order.
@@ -391,7 +452,7 @@ impl<T: Real> ModelParams<T> {
         let mut p = Self::zeros_local(m);
         let specs = param_specs_local(m);
         for (spec, t) in specs.iter().zip(p.tensors_mut()) {
-            init_fill(seed, spec, m.layers, 0, t);
+            init_fill(seed, spec, m.n_layers, 0, t);
         }
         p
     }

@@ -442,6 +442,48 @@ impl Group {
         self.keep(p)
     }
 
+    /// Starts sending `data` to rank `dest` of the group with `tag` (`MPI_Isend`); the buffer
+    /// comes back as the first of [`Group::wait`]'s. Point-to-point, for the pipeline's
+    /// activations and their gradients: posted as soon as they exist, completed later.
+    pub fn start_send_f32(&self, dest: usize, tag: usize, data: Vec<f32>) -> Ticket {
+        assert!(dest < self.size && dest != self.rank, "send to rank {dest} of a group of {}", self.size);
+        let mut p = Pending::new("send", std::mem::size_of_val(&data[..]), data, vec![]);
+        // SAFETY: as in `start_all_gather_f32`.
+        unsafe {
+            ffi::MPI_Isend(
+                p.send.as_ptr() as *const c_void,
+                p.send.len() as i32,
+                ffi::RSMPI_FLOAT,
+                dest as i32,
+                tag as i32,
+                self.comm.as_raw(),
+                &mut p.request,
+            );
+        }
+        self.keep(p)
+    }
+
+    /// Starts receiving `buf.len()` elements from rank `src` of the group with `tag`
+    /// (`MPI_Irecv`); they come back as the second buffer of [`Group::wait`], whose blocked
+    /// time is counted (how long this rank waited for its neighbour).
+    pub fn start_recv_f32(&self, src: usize, tag: usize, buf: Vec<f32>) -> Ticket {
+        assert!(src < self.size && src != self.rank, "receive from rank {src} of a group of {}", self.size);
+        let mut p = Pending::new("recv", std::mem::size_of_val(&buf[..]), vec![], buf);
+        // SAFETY: as in `start_all_gather_f32`.
+        unsafe {
+            ffi::MPI_Irecv(
+                p.recv.as_mut_ptr() as *mut c_void,
+                p.recv.len() as i32,
+                ffi::RSMPI_FLOAT,
+                src as i32,
+                tag as i32,
+                self.comm.as_raw(),
+                &mut p.request,
+            );
+        }
+        self.keep(p)
+    }
+
     /// Holds `p` until [`Group::wait`] completes it.
     fn keep(&self, p: Pending) -> Ticket {
         let id = self.next_ticket.get();

@@ -40,15 +40,23 @@ pub fn local_tokens(tokens: &[u32], seq_len: usize, cp: usize, rank: usize) -> (
 /// and micro-step, the key/value block `cp − 1` times in forward (again when `full` activation
 /// checkpointing recomputes it: every block but the last), and in backward the key/value block `cp − 1` times and its
 /// gradient `cp` times (the last step returns it to its owner).
-pub fn predicted_ring_bytes(m: &Dims, micro_batch: usize, seq_local: usize, cp: usize, grad_accum: usize, recompute: bool) -> u64 {
+pub fn predicted_ring_bytes(
+    m: &Dims,
+    micro_batch: usize,
+    seq_local: usize,
+    cp: usize,
+    grad_accum: usize,
+    recompute: bool,
+    chunks: usize,
+) -> u64 {
     if cp == 1 {
         return 0;
     }
     let kv = (2 * micro_batch * m.kv_heads_local * seq_local * m.hd * 4) as u64;
     let (c, l) = (cp as u64, m.layers as u64);
     // Forward: c − 1 shifts of K/V per block; backward: c − 1 of K/V and c of dK/dV; `full`
-    // recomputes every block but the last (its forward again).
-    let recomputed = if recompute { l.saturating_sub(1) } else { 0 };
+    // recomputes every block but the last of each piece of the model (`chunks`).
+    let recomputed = if recompute { l.saturating_sub(chunks as u64) } else { 0 };
     grad_accum as u64 * kv * (l * (2 * (c - 1) + c) + recomputed * (c - 1))
 }
 

@@ -1,10 +1,12 @@
-//! The 4-D process mesh: `dp_replicate × dp_shard × cp × tp`, TP fastest-varying.
+//! The 5-D process mesh: `pp × dp_replicate × dp_shard × cp × tp`, TP fastest-varying and the
+//! pipeline slowest (its stages span nodes, its traffic is the lightest; tp stays in a node).
 //!
-//! `rank = ((r·dp_shard + s)·cp + c)·tp + t`. Builds one communicator per group of the mesh
-//! (`docs/parallelism.md`) with `MPI_Comm_split` (through `comm`): `tp` (ranks differing only
-//! in t), `cp` (only c), `fsdp` (s and c: FSDP shards over `dp_shard × cp`), `dp_rep` (only r)
-//! and `batch` (r and s: which samples a rank sees). Every group exists at every degree, size 1
-//! included. Knows nothing of what is communicated.
+//! `rank = (((p·dp_replicate + r)·dp_shard + s)·cp + c)·tp + t`. Builds one communicator per
+//! group of the mesh (`docs/parallelism.md`) with `MPI_Comm_split` (through `comm`): `tp`
+//! (ranks differing only in t), `cp` (only c), `fsdp` (s and c: FSDP shards over
+//! `dp_shard × cp`), `dp_rep` (only r), `batch` (r and s: which samples a rank sees) and `pp`
+//! (only p: one pipeline). Every group but `pp` lies inside one pipeline stage. Every group
+//! exists at every degree, size 1 included. Knows nothing of what is communicated.
 
 use super::comm::Group;
 use crate::config::Layout;
@@ -12,6 +14,7 @@ use crate::config::Layout;
 /// A rank's coordinates in the mesh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Coords {
+    pub p: usize,
     pub r: usize,
     pub s: usize,
     pub c: usize,
@@ -26,14 +29,28 @@ pub enum GroupKind {
     Fsdp,
     DpRep,
     Batch,
+    Pp,
 }
 
 impl Coords {
     pub fn of_rank(rank: usize, l: &Layout) -> Coords {
-        Coords { t: rank % l.tp, c: (rank / l.tp) % l.cp, s: (rank / (l.tp * l.cp)) % l.dp_shard, r: rank / (l.tp * l.cp * l.dp_shard) }
+        let stage_size = l.dp_replicate * l.dp_shard * l.cp * l.tp;
+        let in_stage = rank % stage_size;
+        Coords {
+            t: in_stage % l.tp,
+            c: (in_stage / l.tp) % l.cp,
+            s: (in_stage / (l.tp * l.cp)) % l.dp_shard,
+            r: in_stage / (l.tp * l.cp * l.dp_shard),
+            p: rank / stage_size,
+        }
     }
 
     pub fn rank(&self, l: &Layout) -> usize {
+        self.p * (l.dp_replicate * l.dp_shard * l.cp * l.tp) + self.in_stage(l)
+    }
+
+    /// The rank's index inside its pipeline stage (its rank when there is no pipeline).
+    fn in_stage(&self, l: &Layout) -> usize {
         ((self.r * l.dp_shard + self.s) * l.cp + self.c) * l.tp + self.t
     }
 
@@ -44,13 +61,17 @@ impl Coords {
 
     /// `(color, key)` for `MPI_Comm_split`: equal colour = same group; key = coordinate in it.
     pub fn color_key(&self, g: GroupKind, l: &Layout) -> (usize, usize) {
-        let Coords { r, s, c, t } = *self;
+        let Coords { p, r, s, c, t } = *self;
+        // Every group but pp lies in one stage: its colours are numbered stage by stage.
+        let stage = |colors: usize, color: usize| p * colors + color;
+        let stage_size = l.dp_replicate * l.dp_shard * l.cp * l.tp;
         match g {
-            GroupKind::Tp => (((r * l.dp_shard + s) * l.cp) + c, t),
-            GroupKind::Cp => ((r * l.dp_shard + s) * l.tp + t, c),
-            GroupKind::Fsdp => (r * l.tp + t, s * l.cp + c),
-            GroupKind::DpRep => ((s * l.cp + c) * l.tp + t, r),
-            GroupKind::Batch => (c * l.tp + t, r * l.dp_shard + s),
+            GroupKind::Tp => (stage(stage_size / l.tp, ((r * l.dp_shard + s) * l.cp) + c), t),
+            GroupKind::Cp => (stage(stage_size / l.cp, (r * l.dp_shard + s) * l.tp + t), c),
+            GroupKind::Fsdp => (stage(l.dp_replicate * l.tp, r * l.tp + t), s * l.cp + c),
+            GroupKind::DpRep => (stage(stage_size / l.dp_replicate, (s * l.cp + c) * l.tp + t), r),
+            GroupKind::Batch => (stage(l.cp * l.tp, c * l.tp + t), r * l.dp_shard + s),
+            GroupKind::Pp => (self.in_stage(l), p),
         }
     }
 }
@@ -65,6 +86,8 @@ pub struct Mesh {
     pub fsdp: Group,
     pub dp_rep: Group,
     pub batch: Group,
+    /// One pipeline: the ranks of every stage at this rank's place in its stage.
+    pub pp: Group,
     /// Ranks on this node (for threads per rank and, later, the GPU index).
     pub node: Group,
 }
@@ -84,13 +107,14 @@ impl Mesh {
         let fsdp = split("fsdp", GroupKind::Fsdp);
         let dp_rep = split("dp_rep", GroupKind::DpRep);
         let batch = split("batch", GroupKind::Batch);
+        let pp = split("pp", GroupKind::Pp);
         let node = world.split_shared();
-        Mesh { layout, coords, world, tp, cp, fsdp, dp_rep, batch, node }
+        Mesh { layout, coords, world, tp, cp, fsdp, dp_rep, batch, pp, node }
     }
 
     /// Every group with its name, for counters and logs.
-    pub fn groups(&self) -> [&Group; 5] {
-        [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.batch]
+    pub fn groups(&self) -> [&Group; 6] {
+        [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.batch, &self.pp]
     }
 }
 
@@ -99,7 +123,7 @@ mod tests {
     use super::*;
 
     fn layout() -> Layout {
-        Layout { dp_replicate: 2, dp_shard: 3, cp: 2, tp: 2 }
+        Layout { pp: 2, dp_replicate: 2, dp_shard: 3, cp: 2, tp: 2 }
     }
 
     #[test]
@@ -108,8 +132,9 @@ mod tests {
         for rank in 0..l.world_size() {
             assert_eq!(Coords::of_rank(rank, &l).rank(&l), rank);
         }
-        assert_eq!(Coords::of_rank(1, &l), Coords { r: 0, s: 0, c: 0, t: 1 });
-        assert_eq!(Coords::of_rank(2, &l), Coords { r: 0, s: 0, c: 1, t: 0 });
+        assert_eq!(Coords::of_rank(1, &l), Coords { p: 0, r: 0, s: 0, c: 0, t: 1 });
+        assert_eq!(Coords::of_rank(2, &l), Coords { p: 0, r: 0, s: 0, c: 1, t: 0 });
+        assert_eq!(Coords::of_rank(24, &l), Coords { p: 1, r: 0, s: 0, c: 0, t: 0 });
     }
 
     /// Each group has the size `docs/parallelism.md` gives, its members differ exactly in the
@@ -123,6 +148,7 @@ mod tests {
             (GroupKind::Fsdp, l.dp_shard * l.cp),
             (GroupKind::DpRep, l.dp_replicate),
             (GroupKind::Batch, l.dp_replicate * l.dp_shard),
+            (GroupKind::Pp, l.pp),
         ];
         for (g, size) in sizes {
             let mut by_color: std::collections::BTreeMap<usize, Vec<(usize, Coords)>> = Default::default();
@@ -140,11 +166,12 @@ mod tests {
                 let first = members[0].1;
                 for (_, m) in members {
                     let same = match g {
-                        GroupKind::Tp => (m.r, m.s, m.c) == (first.r, first.s, first.c),
-                        GroupKind::Cp => (m.r, m.s, m.t) == (first.r, first.s, first.t),
-                        GroupKind::Fsdp => (m.r, m.t) == (first.r, first.t),
-                        GroupKind::DpRep => (m.s, m.c, m.t) == (first.s, first.c, first.t),
-                        GroupKind::Batch => (m.c, m.t) == (first.c, first.t),
+                        GroupKind::Tp => (m.p, m.r, m.s, m.c) == (first.p, first.r, first.s, first.c),
+                        GroupKind::Cp => (m.p, m.r, m.s, m.t) == (first.p, first.r, first.s, first.t),
+                        GroupKind::Fsdp => (m.p, m.r, m.t) == (first.p, first.r, first.t),
+                        GroupKind::DpRep => (m.p, m.s, m.c, m.t) == (first.p, first.s, first.c, first.t),
+                        GroupKind::Batch => (m.p, m.c, m.t) == (first.p, first.c, first.t),
+                        GroupKind::Pp => (m.r, m.s, m.c, m.t) == (first.r, first.s, first.c, first.t),
                     };
                     assert!(same, "{g:?}: {m:?} vs {first:?}");
                 }

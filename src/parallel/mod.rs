@@ -18,4 +18,5 @@ pub mod comm;
 pub mod cp;
 pub mod fsdp;
 pub mod mesh;
+pub mod pp;
 pub mod tp;

@@ -148,23 +148,28 @@ pub fn predicted_tp_bytes(
     recompute: bool,
     sequence_parallel: bool,
     replicated_shard_elems: usize,
+    chunks: usize,
 ) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     if m.tp == 1 {
         return out;
     }
     let (ga, l) = (grad_accum as u64, m.layers as u64);
-    // Blocks recomputed in backward (`full`): all but the last, each without the down
-    // projection, so with one gather pair and one reduction instead of two.
-    let rl = if recompute { l.saturating_sub(1) } else { 0 };
+    // Blocks recomputed in backward (`full`): all but the last of each piece of the model
+    // (`chunks`: one, or a pipeline rank's chunks), each without the down projection, so with
+    // one gather pair and one reduction instead of two.
+    let rl = if recompute { l.saturating_sub(chunks as u64) } else { 0 };
     let nd4 = (tokens * m.d * 4) as u64;
-    let ce = ga * 3 * tokens as u64 * 4;
+    // The embedding's reduction (forward) and gather (backward), the head's gather (forward)
+    // and reduction (backward), and the vocabulary-parallel loss, where this rank runs them.
+    let (e, h) = (m.embed as u64, m.head as u64);
+    let ce = h * ga * 3 * tokens as u64 * 4;
     if sequence_parallel {
-        out.insert("tp.all_gather".into(), ga * nd4 * (6 * l + 2 * rl + 2));
-        out.insert("tp.reduce_scatter".into(), ga * nd4 * (4 * l + rl + 2));
+        out.insert("tp.all_gather".into(), ga * nd4 * (6 * l + 2 * rl + e + h));
+        out.insert("tp.reduce_scatter".into(), ga * nd4 * (4 * l + rl + e + h));
         out.insert("tp.all_reduce".into(), ce + 8 + replicated_shard_elems as u64 * 4);
     } else {
-        out.insert("tp.all_reduce".into(), ga * nd4 * (2 + 4 * l + rl) + ce + 8);
+        out.insert("tp.all_reduce".into(), ga * nd4 * (e + h + 4 * l + rl) + ce + 8);
     }
     out
 }

@@ -9,12 +9,14 @@
 //! orders them by a simple cost model over the `[hardware]` table (`docs/planning.md`).
 //! Knows nothing of MPI or training.
 
-use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, Resolved};
+use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, PpSchedule, Resolved};
 use crate::metrics::fmt_bytes;
 use crate::model::params::Dims;
 use crate::model::{ActivationMemory, Model};
 use crate::parallel::fsdp::memory::{predicted_comm_bytes as fsdp_bytes, predicted_memory, StateMemory};
 use crate::parallel::fsdp::ShardPlan;
+use crate::parallel::pp::schedule::peak_in_flight;
+use crate::parallel::pp::{chunks, rank_dims, Chunk};
 use crate::parallel::{cp, tp};
 use std::collections::BTreeMap;
 
@@ -55,18 +57,24 @@ impl RankPlan {
 pub fn plan(res: &Resolved) -> RankPlan {
     let deck = &res.deck;
     let l = res.layout;
-    let dims = Dims::new(&deck.model, l.tp, 0);
+    let (dims, chunks) = first_stage(res);
     let shards = ShardPlan::new(&dims, l.fsdp(), 0);
     let p = &deck.parallel;
+    let in_flight = peak_in_flight(schedule_of(res), l.pp, chunks.len(), 0, res.grad_accum);
     let state = predicted_memory(&shards, l.dp_replicate, p.reshard_after_forward, p.overlap);
     let s_local = deck.train.seq_len / l.cp;
     let mb = deck.train.micro_batch;
     let rows = tp::residual_rows(mb * s_local, l.tp, p.sequence_parallel);
+    // One model per micro-batch in flight on each chunk (one without a pipeline).
     let acts = |ckpt| {
-        let mut a = Model::<f32>::memory(&dims, mb, s_local, ckpt, rows);
-        // The ring attention's scratch is allocated beside the block's backward buffers.
-        a.backward += 4 * cp::ring_scratch_elements(&dims, mb, s_local, l.cp);
-        a
+        let per_chunk = chunks.iter().zip(&in_flight).map(|(c, &k)| {
+            let cd = dims.stage(c.layer_ids.clone(), c.embed, c.head);
+            let mut a = Model::<f32>::memory(&cd, mb, s_local, ckpt, rows);
+            // The ring attention's scratch is allocated beside the block's backward buffers.
+            a.backward += 4 * cp::ring_scratch_elements(&cd, mb, s_local, l.cp);
+            a.times(k)
+        });
+        per_chunk.fold(ActivationMemory::default(), ActivationMemory::plus)
     };
     let flops_per_step = crate::metrics::flops_per_token(&deck.model, deck.train.seq_len) * res.tokens_per_step as f64;
     RankPlan {
@@ -89,8 +97,25 @@ pub fn plan(res: &Resolved) -> RankPlan {
 
 /// Bytes per optimiser step of every collective of one rank (rank 0), keyed `group.kind`.
 pub fn predicted_comm_bytes(res: &Resolved) -> BTreeMap<String, u64> {
-    let dims = Dims::new(&res.deck.model, res.layout.tp, 0);
+    let (dims, _) = first_stage(res);
     comm_bytes(res, &dims, &ShardPlan::new(&dims, res.layout.fsdp(), 0))
+}
+
+/// Rank 0's tensors (its tp piece of the first pipeline stage: every block without a
+/// pipeline) and its chunks.
+fn first_stage(res: &Resolved) -> (Dims, Vec<Chunk>) {
+    let whole = Dims::new(&res.deck.model, res.layout.tp, 0);
+    let chunks = chunks(&res.stage_layers, res.layout.pp, 0);
+    (rank_dims(&whole, &chunks), chunks)
+}
+
+/// The schedule the trainer runs (1F1B on one stage without a pipeline).
+fn schedule_of(res: &Resolved) -> PpSchedule {
+    if res.layout.pp == 1 {
+        PpSchedule::OneFOneB
+    } else {
+        res.deck.parallel.pp_schedule
+    }
 }
 
 /// [`predicted_comm_bytes`] for rank 0's TP piece `dims` and fsdp `shards`.
@@ -102,12 +127,30 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
     let replicated: usize = shards.units.iter().flat_map(|u| &u.tensors).filter(|t| t.tp_replicated).map(|t| t.shard_len()).sum();
     let s_local = deck.train.seq_len / l.cp;
     let tokens = deck.train.micro_batch * s_local;
-    out.extend(tp::predicted_tp_bytes(dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated));
+    let chunks = res.stage_layers.len() / l.pp;
+    out.extend(tp::predicted_tp_bytes(dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated, chunks));
     if l.cp > 1 {
-        let ring = cp::predicted_ring_bytes(dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute);
+        let ring = cp::predicted_ring_bytes(dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute, chunks);
         out.insert("cp.ring".into(), ring);
         // The token count and the loss, 8 bytes each.
         out.insert("cp.all_reduce".into(), 16);
+    }
+    if l.pp > 1 {
+        // Rank 0 (first stage): every chunk sends its activations forward and receives their
+        // gradients; chunks after the first also receive activations and send gradients.
+        let v = chunks;
+        let rows = tp::residual_rows(tokens, l.tp, deck.parallel.sequence_parallel);
+        let msg = (4 * rows.local * dims.d) as u64;
+        let mut each_way = (res.grad_accum * (2 * v - 1)) as u64 * msg;
+        if dims.tie {
+            // The embedding's gradient shard, to and from the last stage.
+            let t = shards.units[0].tensors.iter().find(|t| t.name == "model.embed_tokens.weight").expect("stage 0 holds it");
+            each_way += 4 * t.shard_len() as u64;
+        }
+        out.insert("pp.send".into(), each_way);
+        out.insert("pp.recv".into(), each_way);
+        // The loss and the squared gradient norm, 8 bytes each.
+        out.insert("pp.all_reduce".into(), 16);
     }
     out
 }

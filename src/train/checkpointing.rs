@@ -5,9 +5,11 @@
 
 use super::state::ModelState;
 use crate::backend::Backend;
-use crate::config::Resolved;
+use crate::config::{ModelCfg, Resolved};
+use crate::io::checkpoint::blocks::ShardBlock;
 use crate::io::checkpoint::{self as ckpt, DataState, LoadError, Meta, WriteControl, WriterLayout};
 use crate::metrics::{peak_rss_bytes, rss_bytes, CheckpointIo, CheckpointIoLog};
+use crate::model::params::param_specs;
 use crate::parallel::mesh::Mesh;
 use crate::run::faults;
 use crate::run::watchdog::beat;
@@ -76,7 +78,14 @@ fn resume<B: Backend<f32> + Clone>(
         let attempt = ckpt::Reader::open_parallel(path, &mesh.world).and_then(|r| {
             ckpt::check_compatible(&r.meta, &res.deck, res.global_batch, path)?;
             let meta = r.meta.clone();
-            let report = state.with_host_state_mut(|blocks, slots| r.read_into(blocks, slots, &mesh.world))?;
+            let report = state.with_host_state_mut(|blocks, slots| {
+                let (all, own) = every_tensor(&res.deck.model, blocks);
+                let slots = slots.map(|kind| {
+                    let mut kind: Vec<Option<&mut [f32]>> = kind.into_iter().map(Some).collect();
+                    own.iter().map(|i| i.and_then(|i| kind[i].take()).unwrap_or(&mut [])).collect()
+                });
+                r.read_into(&all, slots, &mesh.world)
+            })?;
             Ok((meta, report.bytes))
         });
         match attempt {
@@ -90,6 +99,32 @@ fn resume<B: Backend<f32> + Clone>(
     }
     Err(format!("resume = \"auto\": no checkpoint in {} is valid (each failed as reported above)", res.deck.checkpoint_dir().display())
         .into())
+}
+
+/// Every tensor of the model in `param_specs` order, as this rank's block of it (`own`, its
+/// slot order) or, where it holds none (another pipeline stage's), an empty block: every rank
+/// then makes the same collective calls for every tensor of the file. Also returns each
+/// tensor's index in `own`.
+fn every_tensor(cfg: &ModelCfg, own: &[ShardBlock]) -> (Vec<ShardBlock>, Vec<Option<usize>>) {
+    param_specs(cfg)
+        .into_iter()
+        .map(|spec| match own.iter().position(|b| b.name == spec.name) {
+            Some(i) => (own[i].clone(), Some(i)),
+            None => {
+                let dims = spec.global_shape.len();
+                (
+                    ShardBlock {
+                        name: spec.name,
+                        global_shape: spec.global_shape,
+                        start: vec![0; dims],
+                        count: vec![0; dims],
+                        primary: false,
+                    },
+                    None,
+                )
+            }
+        })
+        .unzip()
 }
 
 /// Records a load (a resume or `init_from`) in `checkpoint_io.csv`: bytes read by all ranks,
@@ -153,7 +188,7 @@ pub(super) fn save<B: Backend<f32> + Clone>(
         run_steps: deck.run.steps,
         data,
         deck: deck.to_toml(),
-        layout: WriterLayout { dp_replicate: l.dp_replicate, dp_shard: l.dp_shard, cp: l.cp, tp: l.tp, world: mesh.world.size() },
+        layout: WriterLayout { pp: l.pp, dp_replicate: l.dp_replicate, dp_shard: l.dp_shard, cp: l.cp, tp: l.tp, world: mesh.world.size() },
         model: deck.model.clone(),
         ndtrain_version: env!("CARGO_PKG_VERSION").to_string(),
     };
@@ -166,8 +201,11 @@ pub(super) fn save<B: Backend<f32> + Clone>(
         fail: faults::fires(&write_error, rank, step)
             .then(|| format!("rank {rank}: injected write error ({})", faults::CHECKPOINT_WRITE_ERROR_ENV)),
     };
-    let report =
-        state.with_host_state(|blocks, [p, m, v]| ckpt::save(dir, deck.checkpoint.keep, &meta, blocks, [&p, &m, &v], &mesh.world, control));
+    let report = state.with_host_state(|blocks, slots| {
+        let (all, own) = every_tensor(&deck.model, blocks);
+        let [p, m, v] = slots.map(|kind| own.iter().map(|i| i.map_or(&[][..], |i| kind[i])).collect::<Vec<_>>());
+        ckpt::save(dir, deck.checkpoint.keep, &meta, &all, [&p, &m, &v], &mesh.world, control)
+    });
     // Every failure of `save` is agreed on every rank; the run ends (the documented policy: the
     // previous checkpoint and `latest` are untouched, `resume = "auto"` continues from them).
     let report = report.map_err(|e| AgreedFailure {

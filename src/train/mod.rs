@@ -19,7 +19,6 @@ use crate::io::checkpoint as ckpt;
 use crate::metrics::{
     fmt_duration, rss_bytes, CheckpointIoLog, MemoryStats, MetricsCsv, Phase, PhaseTimes, StepRecord, StepTiming, TimingLog,
 };
-use crate::model::params::Dims;
 use crate::parallel::collective::MeshCollectives;
 use crate::parallel::comm::CommCount;
 use crate::parallel::mesh::Mesh;
@@ -138,7 +137,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         // This rank's shards (the whole model when the fsdp degree is 1): tensors are first cut
         // for tensor parallelism (this tp rank's piece), then sharded over fsdp. A resumed or
         // imported model is read slice by slice into zero shards.
-        let dims = Dims::new(&deck.model, mesh.tp.size(), mesh.tp.rank());
+        let (dims, _) = step::rank_pieces(res, mesh);
         let start = if from_files { Start::Empty } else { Start::Seeded(deck.run.seed) };
         let overlap = (deck.parallel.reshard_after_forward, deck.parallel.overlap);
         let mut state = ModelState::new(&be, &dims, &comms, start, overlap, &deck.optim, mesh.dp_rep.rank() == 0);
@@ -156,7 +155,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         let metrics = rank0.then(|| MetricsCsv::create(&out_dir.join("metrics.csv"), first_step)).transpose()?;
         let timing = TimingLog::create(&out_dir.join("timing"), mesh.world.rank(), first_step, rss_before_load)?;
         let flops_per_token = crate::metrics::flops_per_token(&deck.model, deck.train.seq_len);
-        summary::say_model(res, trainer.model.backend().describe(), &peak, flops_per_token);
+        summary::say_model(res, trainer.backend().describe(), &peak, flops_per_token);
         crate::run::preempt::install()?;
         faults::fault(faults::CHECKPOINT_WRITE_ERROR_ENV)?;
         let steps = deck.run.steps;
@@ -264,9 +263,9 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             optim_bytes: 2 * shard_bytes,
             gathered_peak_bytes: state.params.gathered_peak_bytes,
             grad_scratch_bytes: state.grads.scratch_bytes(),
-            activation_bytes: self.trainer.model.activation_bytes(),
+            activation_bytes: self.trainer.activation_bytes(),
         };
-        let attention_pairs = self.trainer.model.take_attention_pairs();
+        let attention_pairs = self.trainer.take_attention_pairs();
         let timing = StepTiming { step: s1, step_s, phases: &out.phases, log_s: self.last_log_s, comm: &comm, mem: &mem, attention_pairs };
         self.timing.append(&timing)?;
         let elapsed = self.run_start.elapsed().as_secs_f64();
@@ -312,7 +311,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         let total_s = self.run_start.elapsed().as_secs_f64();
         summary::say_phase_table(self.mesh, &self.totals, total_s);
         summary::say_totals(self.res, total_s, &self.step_times, self.entropy_floor, &self.losses);
-        let act = self.trainer.model.activation_bytes();
+        let act = self.trainer.activation_bytes();
         summary::say_memory(&self.trainer.state, act);
         summary::check_tp_replicas(self.mesh, &self.trainer.state)?;
         if !self.res.deck.checkpoint.export_hf.is_empty() && !self.preempted {

@@ -1,6 +1,7 @@
 //! One optimiser step, on any backend and any layout: the micro-steps with gradient
-//! accumulation, the global-batch loss, the gradient reduction, the global norm and clipping,
-//! and AdamW. What the training loop runs each step and what the benches time.
+//! accumulation (run in the pipeline schedule's order: forward then backward of each
+//! micro-batch on one stage), the global-batch loss, the gradient reduction, the global norm
+//! and clipping, and AdamW. What the training loop runs each step and what the benches time.
 //!
 //! The loss is normalised by the number of target tokens in the whole global batch, reduced
 //! before any backward, so every layout and every `grad_accum` computes the same gradient up
@@ -8,21 +9,27 @@
 
 use super::state::{ModelState, Start};
 use crate::backend::Backend;
-use crate::config::{OnNonFinite, OptimCfg, Resolved};
+use crate::config::{ActCkpt, OnNonFinite, OptimCfg, PpSchedule, Resolved};
 use crate::data::{open_source, Loader, TokenSource};
 use crate::metrics::{Phase, PhaseTimes};
-use crate::model::hooks::{AttentionSchedule, Hooks};
+use crate::model::hooks::{AttentionSchedule, Hooks, TensorParallel};
 use crate::model::params::Dims;
 use crate::model::{Model, Tokens};
 use crate::optim::{clip_coefficient, lr_at};
 use crate::parallel::collective::MeshCollectives;
 use crate::parallel::mesh::Mesh;
+use crate::parallel::pp::schedule::{actions, Action};
+use crate::parallel::pp::{chunks, rank_dims, Chunk, Direction, Offset, PipeComm};
 use crate::parallel::tp::Megatron;
 use crate::run::faults::{self, Fault};
 use crate::run::watchdog::beat;
 use crate::run::{AgreedFailure, Error};
 use crate::say;
 use std::time::Instant;
+
+/// A micro-batch as this rank uses it: its index, this cp rank's inputs and targets, and
+/// their global positions.
+type LocalBatch = (usize, Vec<u32>, Vec<u32>, Vec<usize>);
 
 /// What one step computed.
 #[derive(Clone, Copy, Debug)]
@@ -37,9 +44,46 @@ pub struct StepOutcome {
     pub phases: PhaseTimes,
 }
 
+/// This rank's pieces of the model (one per pipeline chunk; one without a pipeline) and the
+/// activations of the micro-batches in flight: one `Model` per micro-batch a chunk holds at
+/// once, reused from step to step (so the schedule's in-flight count is the memory held).
+struct Pieces<'g, B: Backend<f32>> {
+    be: B,
+    chunks: Vec<Chunk>,
+    dims: Vec<Dims>,
+    ckpt: ActCkpt,
+    /// Models of each chunk not holding a micro-batch.
+    free: Vec<Vec<Model<f32, B>>>,
+    /// Models holding a micro-batch's activations, with their (chunk, micro-batch).
+    busy: Vec<((usize, usize), Model<f32, B>)>,
+    /// This rank's actions in each step.
+    schedule: Vec<Action>,
+    comm: PipeComm<'g>,
+    /// The received activation or gradient of the action being run.
+    received: B::Buf,
+}
+
+impl<'g, B: Backend<f32> + Clone> Pieces<'g, B> {
+    fn take(&mut self, chunk: usize) -> Model<f32, B> {
+        self.free[chunk].pop().unwrap_or_else(|| Model::on(self.be.clone(), self.dims[chunk].clone(), self.ckpt))
+    }
+
+    fn models(&self) -> impl Iterator<Item = &Model<f32, B>> {
+        self.free.iter().flatten().chain(self.busy.iter().map(|(_, m)| m))
+    }
+}
+
+/// This rank's piece of the model's tensors (its tp piece of its pipeline stage's blocks, and
+/// the tensors outside the blocks where its stages run them), and its pipeline chunks.
+pub fn rank_pieces(res: &Resolved, mesh: &Mesh) -> (Dims, Vec<Chunk>) {
+    let whole = Dims::new(&res.deck.model, mesh.tp.size(), mesh.tp.rank());
+    let chunks = chunks(&res.stage_layers, mesh.pp.size(), mesh.pp.rank());
+    (rank_dims(&whole, &chunks), chunks)
+}
+
 /// The model, its state and its data on one rank, stepped together.
 pub struct Trainer<'g, B: Backend<f32>> {
-    pub model: Model<f32, B>,
+    pieces: Pieces<'g, B>,
     pub state: ModelState<'g, B>,
     pub loader: Loader,
     mesh: &'g Mesh,
@@ -70,12 +114,26 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
     ) -> Result<Self, Error> {
         let deck = &res.deck;
         let (tcfg, p) = (&deck.train, &deck.parallel);
-        let dims = Dims::new(&deck.model, mesh.tp.size(), mesh.tp.rank());
+        let (dims, chunks) = rank_pieces(res, mesh);
         let dp_rank = mesh.coords.dp_rank(&res.layout);
         let (s, mb) = (tcfg.seq_len, tcfg.micro_batch);
         let loader = Loader::new(&deck.data, source, s, mb, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed)?;
+        let v = chunks.len();
+        // Without a pipeline, 1F1B on one stage is forward and backward of each micro-batch.
+        let schedule = if mesh.pp.size() == 1 { PpSchedule::OneFOneB } else { p.pp_schedule };
+        let pieces = Pieces {
+            dims: chunks.iter().map(|c| dims.stage(c.layer_ids.clone(), c.embed, c.head)).collect(),
+            free: (0..v).map(|_| vec![]).collect(),
+            busy: vec![],
+            schedule: actions(schedule, mesh.pp.size(), v, mesh.pp.rank(), res.grad_accum),
+            comm: PipeComm::new(&mesh.pp, v),
+            received: Default::default(),
+            chunks,
+            ckpt: tcfg.activation_checkpointing,
+            be,
+        };
         Ok(Trainer {
-            model: Model::on(be, dims, tcfg.activation_checkpointing),
+            pieces,
             state,
             loader,
             mesh,
@@ -97,7 +155,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
     /// step.
     pub fn seeded(be: B, comms: MeshCollectives<'g, B::Buf>, res: &Resolved, mesh: &'g Mesh) -> Result<Self, Error> {
         let deck = &res.deck;
-        let dims = Dims::new(&deck.model, mesh.tp.size(), mesh.tp.rank());
+        let (dims, _) = rank_pieces(res, mesh);
         let p = &deck.parallel;
         let start = Start::Seeded(deck.run.seed);
         let state = ModelState::new(&be, &dims, &comms, start, (p.reshard_after_forward, p.overlap), &deck.optim, mesh.dp_rep.rank() == 0);
@@ -132,9 +190,27 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         Ok(StepOutcome { loss, grad_norm, lr, updated, phases: pt })
     }
 
-    /// The step's micro-steps: each micro-batch forward and backward, gradients accumulated
-    /// into the shards. Returns the summed loss of this rank's tokens and the global number of
-    /// target tokens.
+    /// The backend of this rank's model.
+    pub fn backend(&self) -> &B {
+        &self.pieces.be
+    }
+
+    /// Bytes of activation memory this rank's model pieces hold (every micro-batch in flight
+    /// at the schedule's peak).
+    pub fn activation_bytes(&self) -> usize {
+        self.pieces.models().map(|m| m.activation_bytes()).sum()
+    }
+
+    /// Visible (query, key) pairs processed by attention since the last call.
+    pub fn take_attention_pairs(&mut self) -> u64 {
+        let p = &mut self.pieces;
+        p.free.iter_mut().flatten().map(|m| m.take_attention_pairs()).sum()
+    }
+
+    /// The step's micro-steps in the schedule's order: each micro-batch's forward and backward
+    /// on this rank's pieces, activations and their gradients exchanged with the neighbouring
+    /// pipeline stages, gradients accumulated into the shards. Returns the summed loss of this
+    /// rank's tokens and the global number of target tokens.
     fn micro_steps(&mut self, step: u64, pt: &mut PhaseTimes) -> Result<(f64, f64), Error> {
         let (s, mb, ga) = (self.seq_len, self.micro_batch, self.grad_accum);
         let (cp, cp_rank) = (self.mesh.cp.size(), self.mesh.cp.rank());
@@ -150,30 +226,99 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let loss_scale = (1.0 / n_tok[0]) as f32;
         let hooks = Hooks { tp: &self.tp, attention: self.attention.as_ref(), progress: crate::parallel::comm::progress };
         let (params, grads) = (&mut self.state.params, &mut self.state.grads);
+        let pieces = &mut self.pieces;
+        // The residual stream's rows on this rank: what travels between stages.
+        let rows = self.tp.local_rows(mb * s_local) * pieces.dims[0].d;
+        let schedule = std::mem::take(&mut pieces.schedule);
+        // Tokens of the micro-batches this rank has started, until its last action on them.
+        let mut batches: Vec<LocalBatch> = vec![];
         let mut loss_sum = 0.0f64;
-        for micro in 0..ga {
-            beat(|| format!("step {}: micro-step {} of {ga}", step + 1, micro + 1));
+        for (i, &action) in schedule.iter().enumerate() {
+            let (chunk, micro, dir) = match action {
+                Action::Forward { chunk, micro } => (chunk, micro, Direction::Forward),
+                Action::Backward { chunk, micro } => (chunk, micro, Direction::Backward),
+            };
+            beat(|| format!("step {}: micro-step {} of {ga} ({dir:?}, chunk {chunk})", step + 1, micro + 1));
             let t0 = Instant::now();
-            let batch = self.loader.micro_batch(step, micro)?;
+            if !batches.iter().any(|b| b.0 == micro) {
+                let batch = self.loader.micro_batch(step, micro)?;
+                // This cp rank's chunks of every sequence, with their global positions.
+                let (inputs, positions) = crate::parallel::cp::local_tokens(&batch.inputs, s, cp, cp_rank);
+                let (targets, _) = crate::parallel::cp::local_tokens(&batch.targets, s, cp, cp_rank);
+                batches.push((micro, inputs, targets, positions));
+            }
+            let c = &pieces.chunks[chunk];
+            let (from_neighbour, to_neighbour) = match dir {
+                Direction::Forward => (!c.embed, !c.head),
+                Direction::Backward => (!c.head, !c.embed),
+            };
+            // Post the next action's receive before this action computes, so it overlaps.
+            if let Some(&next) = schedule.get(i + 1) {
+                let (nc, nd) = match next {
+                    Action::Forward { chunk, .. } => (chunk, Direction::Forward),
+                    Action::Backward { chunk, .. } => (chunk, Direction::Backward),
+                };
+                let nchunk = &pieces.chunks[nc];
+                if (if nd == Direction::Forward { !nchunk.embed } else { !nchunk.head }) && !pieces.comm.posted(nc, nd) {
+                    pieces.comm.post_recv(nc, nd, rows);
+                }
+            }
             let t1 = Instant::now();
-            // This cp rank's chunks of every sequence, with their global positions.
-            let (inputs, positions) = crate::parallel::cp::local_tokens(&batch.inputs, s, cp, cp_rank);
-            let (targets, _) = crate::parallel::cp::local_tokens(&batch.targets, s, cp, cp_rank);
-            let tok = Tokens { inputs: &inputs, targets: &targets, positions: &positions, batch: mb, seq: s_local };
-            params.begin_micro_step();
-            grads.begin_micro_step(micro + 1 == ga);
-            loss_sum += self.model.forward_with(params, &tok, hooks);
-            sync(self.model.backend())?;
+            if from_neighbour {
+                if !pieces.comm.posted(chunk, dir) {
+                    pieces.comm.post_recv(chunk, dir, rows);
+                }
+                pieces.comm.recv(&pieces.be, chunk, dir, &mut pieces.received);
+            }
             let t2 = Instant::now();
-            params.begin_backward();
-            self.model.backward_with(params, grads, loss_scale, hooks);
-            params.end_micro_step();
-            sync(self.model.backend())?;
+            let (_, inputs, targets, positions) = batches.iter().find(|b| b.0 == micro).expect("loaded above");
+            let tok = Tokens { inputs, targets, positions, batch: mb, seq: s_local };
+            let offset = pieces.chunks[chunk].offset;
+            let received_buf = std::mem::take(&mut pieces.received);
+            let received = from_neighbour.then_some(&received_buf);
+            match dir {
+                Direction::Forward => {
+                    let mut model = pieces.take(chunk);
+                    params.begin_micro_step();
+                    loss_sum += model.forward_stage(&mut Offset { inner: params, offset }, &tok, hooks, received);
+                    if to_neighbour {
+                        pieces.comm.send(&pieces.be, chunk, dir, model.stage_output());
+                    }
+                    pieces.busy.push(((chunk, micro), model));
+                }
+                Direction::Backward => {
+                    let k = pieces.busy.iter().position(|(key, _)| *key == (chunk, micro)).expect("forward before backward");
+                    let (_, mut model) = pieces.busy.swap_remove(k);
+                    params.begin_backward();
+                    // Each chunk's last backward completes its units' gradients for the step.
+                    grads.begin_micro_step(micro + 1 == ga);
+                    let (mut w, mut g) = (Offset { inner: &mut *params, offset }, Offset { inner: &mut *grads, offset });
+                    model.backward_stage(&mut w, &mut g, loss_scale, hooks, received);
+                    params.end_micro_step();
+                    if to_neighbour {
+                        pieces.comm.send(&pieces.be, chunk, dir, model.input_grad());
+                    }
+                    pieces.free[chunk].push(model);
+                    if chunk == 0 {
+                        // Chunk 0's backward is this rank's last action on the micro-batch.
+                        batches.retain(|b| b.0 != micro);
+                    }
+                }
+            }
+            pieces.received = received_buf;
+            sync(&pieces.be)?;
             let t3 = Instant::now();
             pt[Phase::Data] += (t1 - t0).as_secs_f64();
-            pt[Phase::Forward] += (t2 - t1).as_secs_f64();
-            pt[Phase::Backward] += (t3 - t2).as_secs_f64();
+            // Waiting for a neighbour's activation or gradient: the pipeline's bubble.
+            pt[Phase::Wait] += (t2 - t1).as_secs_f64();
+            pt[if dir == Direction::Forward { Phase::Forward } else { Phase::Backward }] += (t3 - t2).as_secs_f64();
         }
+        pieces.schedule = schedule;
+        let t_send = Instant::now();
+        pieces.comm.finish();
+        pt[Phase::Wait] += t_send.elapsed().as_secs_f64();
+        debug_assert!(pieces.busy.is_empty(), "every micro-batch's backward ran");
+        debug_assert!(params.all_released(), "every gathered block is freed by its last backward");
         Ok((loss_sum, n_tok[0]))
     }
 
@@ -186,12 +331,15 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let mut loss_buf = [loss_sum];
         mesh.batch.all_reduce_sum_f64(&mut loss_buf);
         mesh.cp.all_reduce_sum_f64(&mut loss_buf);
+        // Only the last pipeline stage computes a loss: the others add zero.
+        mesh.pp.all_reduce_sum_f64(&mut loss_buf);
         let loss = loss_buf[0] / n_tok;
         let grads = &mut self.state.grads;
         grads.finish_step();
         if self.tp.sequence_parallel {
             grads.sum_replicated_over(self.comms.tp);
         }
+        self.state.sum_tied_embedding(&mesh.pp);
         if faults::fires(&self.nan_grad, mesh.world.rank(), step + 1) {
             let fault = self.nan_grad.clone().expect("it fired");
             self.poison(&fault)?;
@@ -201,6 +349,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let mut sq = [self.state.grads.local_sq_sum(mesh.tp.rank() == 0)];
         mesh.fsdp.all_reduce_sum_f64(&mut sq);
         mesh.tp.all_reduce_sum_f64(&mut sq);
+        mesh.pp.all_reduce_sum_f64(&mut sq);
         pt[Phase::Comm] += t_comm.elapsed().as_secs_f64();
         Ok((loss, sq[0].sqrt()))
     }
@@ -208,7 +357,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
     /// Waits for the device's queued work; a failed device operation (or the injected one of
     /// `NDTRAIN_DEBUG_DEVICE_ERROR`) ends the run on this rank, naming the device.
     fn synchronize(&self, s1: u64) -> Result<(), Error> {
-        let be = self.model.backend();
+        let be = &self.pieces.be;
         if faults::fires(&self.device_error, self.mesh.world.rank(), s1) {
             return Err(format!("{}: a device operation failed ({} at step {s1})", be.describe(), faults::DEVICE_ERROR_ENV).into());
         }

@@ -450,7 +450,7 @@ pub fn parse_layout(text: &str, ranks: usize) -> Result<crate::config::Layout, S
         .collect::<Option<_>>()
         .filter(|d: &Vec<usize>| d.len() == 4)
         .ok_or_else(|| format!("--layout {text:?}: expected four degrees ≥ 1, dp_replicate,dp_shard,cp,tp (e.g. 1,2,1,4)"))?;
-    let layout = crate::config::Layout { dp_replicate: degrees[0], dp_shard: degrees[1], cp: degrees[2], tp: degrees[3] };
+    let layout = crate::config::Layout { pp: 1, dp_replicate: degrees[0], dp_shard: degrees[1], cp: degrees[2], tp: degrees[3] };
     // Checked without overflow: a product beyond usize is simply not the number of ranks.
     let product = degrees.iter().try_fold(1usize, |p, &d| p.checked_mul(d));
     if product != Some(ranks) {

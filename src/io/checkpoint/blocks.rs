@@ -21,8 +21,8 @@ pub struct ShardBlock {
     pub start: Vec<usize>,
     pub count: Vec<usize>,
     /// Exactly one rank of the world is primary for each element: it writes the element and
-    /// counts it in checksums (replicas over `dp_rep`, and the norm weights every `tp` rank
-    /// holds, are written once).
+    /// counts it in checksums (replicas over `dp_rep`, the norm weights every `tp` rank
+    /// holds, and the last pipeline stage's copy of a tied embedding are written once).
     pub primary: bool,
 }
 
@@ -64,7 +64,7 @@ pub fn shard_blocks(plan: &ShardPlan, m: &Dims, replica_leader: bool) -> Vec<Sha
             }
             (TpSplit::Cols, _) => (vec![rows.start, spec.tp_rank * t.cols], vec![n, t.cols]),
         };
-        let primary = replica_leader && (spec.split != TpSplit::Replicated || spec.tp_rank == 0);
+        let primary = replica_leader && (spec.split != TpSplit::Replicated || spec.tp_rank == 0) && !t.tied_copy;
         out.push(ShardBlock { name: spec.name.clone(), global_shape: spec.global_shape.clone(), start, count, primary });
     }
     out

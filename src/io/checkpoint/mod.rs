@@ -63,6 +63,9 @@ impl DataState {
 /// The layout that wrote a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WriterLayout {
+    /// Pipeline stages (absent from checkpoints written before the pipeline existed: 1).
+    #[serde(default = "one")]
+    pub pp: usize,
     pub dp_replicate: usize,
     pub dp_shard: usize,
     pub cp: usize,
@@ -70,8 +73,15 @@ pub struct WriterLayout {
     pub world: usize,
 }
 
+fn one() -> usize {
+    1
+}
+
 impl fmt::Display for WriterLayout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.pp > 1 {
+            write!(f, "pp={} ", self.pp)?;
+        }
         write!(f, "dp_replicate={} dp_shard={} cp={} tp={} ({} ranks)", self.dp_replicate, self.dp_shard, self.cp, self.tp, self.world)
     }
 }

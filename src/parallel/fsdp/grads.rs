@@ -4,7 +4,7 @@
 //! over the micro-steps of the step, and in the step's last micro-step all-reduced over
 //! `dp_rep` unit by unit (HSDP's outer reduction, or DP's all-reduce when `fsdp` has degree 1).
 
-use super::{globals_tensors_mut, ShardPlan};
+use super::ShardPlan;
 use crate::backend::Backend;
 use crate::model::hooks::{GlobalsMut, GradSink};
 use crate::model::params::{Dims, Layer, Params};
@@ -14,6 +14,7 @@ use crate::parallel::comm::Ticket;
 /// The rank's gradient shards, and the whole-tensor scratch the model writes into.
 pub struct FsdpGrads<'g, B: Backend<f32>> {
     plan: ShardPlan,
+    m: Dims,
     be: B,
     fsdp: &'g dyn Collective<B::Buf>,
     dp_rep: &'g dyn Collective<B::Buf>,
@@ -50,6 +51,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
             b
         };
         FsdpGrads {
+            m: m.clone(),
             be: be.clone(),
             fsdp,
             dp_rep,
@@ -180,11 +182,12 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
     }
 
     /// This rank's part of the squared global norm (padding is zero and adds nothing). A
-    /// tensor every tp rank holds whole is counted by tp rank 0 only (`count_replicated`).
+    /// tensor every tp rank holds whole is counted by tp rank 0 only (`count_replicated`), a
+    /// tied embedding by the first pipeline stage only.
     pub fn local_sq_sum(&self, count_replicated: bool) -> f64 {
         let mut sum = 0.0;
         for (u, t, range) in self.plan.slot_ranges() {
-            if count_replicated || !t.tp_replicated {
+            if (count_replicated || !t.tp_replicated) && !t.tied_copy {
                 sum += self.be.sum_sq(&self.shards[u], range);
             }
         }
@@ -234,14 +237,8 @@ impl<B: Backend<f32> + Clone> GradSink<B::Buf> for FsdpGrads<'_, B> {
 
     fn globals_done(&mut self) {
         let mut g = self.globals.take().expect("not lent out");
-        {
-            let mut full: Vec<&B::Buf> = vec![&g.embed_tokens, &g.norm];
-            if let Some(h) = &g.lm_head {
-                full.push(h);
-            }
-            self.reduce_unit(0, &full);
-        }
-        globals_tensors_mut(&mut g).into_iter().for_each(|t| self.be.fill(t, 0.0));
+        self.reduce_unit(0, &g.globals(&self.m));
+        g.globals_mut(&self.m).into_iter().for_each(|t| self.be.fill(t, 0.0));
         self.globals = Some(g);
     }
 }

@@ -23,7 +23,7 @@ pub mod memory;
 pub mod params;
 
 use crate::backend::Backend;
-use crate::model::params::{param_specs_local, Dims, Params, TpSplit};
+use crate::model::params::{param_specs_local, Dims, TpSplit};
 use std::ops::Range;
 
 /// One tensor's place in its unit's shard.
@@ -41,6 +41,9 @@ pub struct TensorShard {
     pub decayed: bool,
     /// Held whole by every tp rank (norm weights): counted once in the global norm.
     pub tp_replicated: bool,
+    /// The last pipeline stage's copy of a tied `embed_tokens` (the first stage's is the
+    /// one counted in the norm and written to checkpoints).
+    pub tied_copy: bool,
 }
 
 impl TensorShard {
@@ -80,7 +83,8 @@ impl ShardPlan {
                 .strip_prefix("model.layers.")
                 .and_then(|rest| rest.split('.').next())
                 .and_then(|l| l.parse::<usize>().ok())
-                .map_or(0, |l| l + 1);
+                // Block names carry the global index; units follow the order this rank holds them.
+                .map_or(0, |l| 1 + m.layer_ids.iter().position(|&id| id == l).expect("a block this rank holds"));
             let rows = spec.shape[0];
             let cols = spec.shape.get(1).copied().unwrap_or(1);
             let rows_per_rank = rows.div_ceil(degree);
@@ -94,6 +98,7 @@ impl ShardPlan {
                 offset: u.shard_len,
                 decayed: spec.decayed(),
                 tp_replicated: spec.split == TpSplit::Replicated,
+                tied_copy: spec.name == "model.embed_tokens.weight" && !m.embed,
             };
             u.shard_len += t.shard_len();
             u.tensors.push(t);
@@ -177,21 +182,12 @@ impl ShardPlan {
         self.units.iter().enumerate().flat_map(|(u, unit)| unit.tensors.iter().map(move |t| (u, t, t.offset..t.offset + t.shard_len())))
     }
 }
-/// The whole tensors of unit 0 (the tensors outside the blocks), in unit order.
-pub(super) fn globals_tensors_mut<V>(p: &mut Params<V>) -> Vec<&mut V> {
-    let mut v = vec![&mut p.embed_tokens, &mut p.norm];
-    if let Some(h) = p.lm_head.as_mut() {
-        v.push(h);
-    }
-    v
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::cpu::Cpu;
     use crate::config::ModelCfg;
-    use crate::model::params::ModelParams;
+    use crate::model::params::{ModelParams, Params};
 
     /// The whole tensors of a unit of a model held whole, in unit order.
     fn unit_tensors<V>(p: &Params<V>, unit: usize) -> Vec<&V> {
@@ -241,7 +237,7 @@ mod tests {
             }
             let mut back = ModelParams::<f32>::zeros(&cfg);
             let mut dst =
-                if unit == 0 { globals_tensors_mut(&mut back) } else { back.layers[unit - 1].tensors_mut().into_iter().collect() };
+                if unit == 0 { back.globals_mut(&Dims::full(&cfg)) } else { back.layers[unit - 1].tensors_mut().into_iter().collect() };
             plans[0].unpack(&be, unit, &gathered, &mut dst);
             let want = unit_tensors(&full, unit);
             let got = unit_tensors(&back, unit);

@@ -3,7 +3,7 @@
 //! it, the next one prefetched while it computes, and freed after use (ZeRO-3) or, with
 //! `reshard_after_forward = false`, kept from forward to backward.
 
-use super::{globals_tensors_mut, ShardPlan};
+use super::ShardPlan;
 use crate::backend::{with_host_mut, Backend};
 use crate::model::hooks::{Globals, WeightSource};
 use crate::model::params::{init_fill, param_specs_local, Dims, Layer, Params};
@@ -87,11 +87,16 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
                 for t in &unit.tensors {
                     let rows = t.owned_rows(rank);
                     let dst = &mut shard[t.offset..][..rows.len() * t.cols];
-                    init_fill(seed, &specs[t.spec_index], m.layers, rows.start * t.cols, dst);
+                    init_fill(seed, &specs[t.spec_index], m.n_layers, rows.start * t.cols, dst);
                 }
             }
         });
         p
+    }
+
+    /// The sizes of the tensors this rank holds (its tp piece of its pipeline stages).
+    pub fn dims(&self) -> &Dims {
+        &self.m
     }
 
     fn gather_unit(&mut self, unit: usize) {
@@ -159,6 +164,12 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
     /// Gathers the global tensors for a micro-step and enters the forward pass.
     pub fn begin_micro_step(&mut self) {
         self.pass = Pass::Forward;
+        self.ensure_globals();
+    }
+
+    /// Gathers the global tensors unless they are there (a pipeline may run several passes
+    /// between two [`Self::end_micro_step`]s, or a backward right after one).
+    fn ensure_globals(&mut self) {
         if self.globals.is_none() {
             let mut g = match self.spare_globals.take() {
                 Some(g) => g,
@@ -167,14 +178,16 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
             if self.plan.degree > 1 {
                 self.gather_unit(0);
             }
-            self.plan.unpack(&self.be, 0, self.gathered(0), &mut globals_tensors_mut(&mut g));
+            self.plan.unpack(&self.be, 0, self.gathered(0), &mut g.globals_mut(&self.m));
             self.track((self.plan.unit_elements(0) * 4) as isize);
             self.globals = Some(g);
         }
     }
 
+    /// Enters the backward pass (the global tensors gathered).
     pub fn begin_backward(&mut self) {
         self.pass = Pass::Backward;
+        self.ensure_globals();
     }
 
     /// Frees the global tensors after backward.
@@ -186,7 +199,12 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
             self.track(-((self.plan.unit_elements(0) * 4) as isize));
             self.spare_globals = Some(g);
         }
-        debug_assert!(self.blocks.iter().all(|b| b.is_none()), "every block is freed after backward");
+    }
+
+    /// Whether every gathered block has been freed (true after each step: every block's last
+    /// use in a step is a backward, which frees it).
+    pub fn all_released(&self) -> bool {
+        self.blocks.iter().all(|b| b.is_none())
     }
 
     /// This tp rank's whole tensors, gathered on every rank of the `fsdp` group (for an export
@@ -195,8 +213,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
         let mut full = Params::alloc(&self.m, |n| self.be.zeros(n));
         for unit in 0..self.plan.units.len() {
             self.gather_unit(unit);
-            let mut dst =
-                if unit == 0 { globals_tensors_mut(&mut full) } else { full.layers[unit - 1].tensors_mut().into_iter().collect() };
+            let mut dst = if unit == 0 { full.globals_mut(&self.m) } else { full.layers[unit - 1].tensors_mut().into_iter().collect() };
             self.plan.unpack(&self.be, unit, &self.gather_buf, &mut dst);
         }
         full

@@ -58,10 +58,11 @@ fn parse_field(path: &Path, line: usize, column: &str, field: &str) -> Result<f6
     field.parse::<f64>().map_err(|_| format!("{}:{line}: column '{column}': '{field}' is not a number", path.display()))
 }
 
-/// The mesh layout a finished run used, `dp_replicate × dp_shard × cp × tp` ranks, as its
+/// The mesh layout a finished run used, `pp × dp_replicate × dp_shard × cp × tp` ranks, as its
 /// `deck.toml` records it (the trainer's own is `config::Layout`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct RunLayout {
+    pub(super) pp: usize,
     pub(super) dp_replicate: usize,
     pub(super) dp_shard: usize,
     pub(super) cp: usize,
@@ -71,7 +72,7 @@ pub(super) struct RunLayout {
 impl RunLayout {
     /// `dp_shard=2 tp=2`: the dimensions of degree above one (`serial` for one rank).
     pub(super) fn short(&self) -> String {
-        let dims = [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)];
+        let dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp), ("tp", self.tp)];
         let parts: Vec<String> = dims.iter().filter(|(_, d)| *d > 1).map(|(n, d)| format!("{n}={d}")).collect();
         if parts.is_empty() {
             "serial".into()
@@ -112,12 +113,14 @@ impl DeckFacts {
         let pairs: BTreeMap<&str, usize> =
             words.iter().filter_map(|w| w.split_once('=')).filter_map(|(k, v)| v.parse().ok().map(|v| (k, v))).collect();
         let get = |key: &str| pairs.get(key).copied().ok_or_else(bad_comment);
-        let layout = RunLayout { dp_replicate: get("dp_replicate")?, dp_shard: get("dp_shard")?, cp: get("cp")?, tp: get("tp")? };
+        // Runs from before the pipeline existed have no pp.
+        let pp = pairs.get("pp").copied().unwrap_or(1);
+        let layout = RunLayout { pp, dp_replicate: get("dp_replicate")?, dp_shard: get("dp_shard")?, cp: get("cp")?, tp: get("tp")? };
         let ranks = words
             .windows(3)
             .find(|w| w[0] == "for" && w[2].starts_with("rank"))
             .and_then(|w| w[1].parse().ok())
-            .unwrap_or(layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp);
+            .unwrap_or(layout.pp * layout.dp_replicate * layout.dp_shard * layout.cp * layout.tp);
         let toml: toml::Value = text.parse().map_err(|e| format!("{}: not valid TOML: {e}", path.display()))?;
         let seq_len = toml
             .get("train")

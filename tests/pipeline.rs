@@ -1,0 +1,144 @@
+//! Pipeline parallelism against one rank, through the real binary under `mpirun`: every
+//! schedule on 2 and 4 stages, the interleaved schedule, the pipeline composed with FSDP, TP
+//! with SP, CP and HSDP (8 ranks included), tied embeddings, and checkpoints written on one
+//! pipeline layout and resumed on others.
+
+mod common;
+
+use common::*;
+use ndtrain::io::checkpoint::tools;
+use std::path::{Path, PathBuf};
+
+/// The tiny deck with 4 blocks (so 4 stages fit), 6 steps of 16 sequences in micro-batches of
+/// 2 (8 micro-steps on one rank), clipping active, a checkpoint at steps 3 and 6.
+const SETS: &[&str] = &[
+    "model.n_layers=4",
+    "run.steps=6",
+    "run.threads=1",
+    "train.global_batch=16",
+    "optim.grad_clip=0.3",
+    "optim.warmup_steps=2",
+    "checkpoint.every=3",
+];
+
+fn train(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> (Vec<String>, Vec<f64>) {
+    let mut sets: Vec<&str> = SETS.to_vec();
+    sets.extend_from_slice(extra);
+    let ranks = (ranks > 1).then_some(ranks);
+    train_losses(dir, name, &tiny_deck(), ranks, &sets)
+}
+
+fn ckpt(dir: &Path, name: &str, step: u64) -> PathBuf {
+    dir.join(name).join("ckpt").join(format!("step_{step:08}.h5"))
+}
+
+/// Every tensor of two checkpoints within the layout tolerance of the larger one's scale
+/// (parameters `PARAM_TOL`; AdamW moments 5e-3, as in `tests/checkpoint.rs`).
+fn assert_close(name: &str, a: &Path, b: &Path) {
+    let names = tools::dataset_paths(a).unwrap();
+    assert_eq!(names, tools::dataset_paths(b).unwrap(), "{name}: the same tensors");
+    for n in names {
+        let (sa, xa) = tools::read_tensor(a, &n).unwrap();
+        let (sb, xb) = tools::read_tensor(b, &n).unwrap();
+        assert_eq!(sa, sb, "{name}: {n}");
+        let scale = xa.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+        let diff = xa.iter().zip(&xb).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
+        let tol = if n.starts_with("model/") { PARAM_TOL } else { 5e-3 };
+        assert!(diff <= tol * scale, "{name}: {n}: max |Δ| {diff:e} vs scale {scale:e}");
+    }
+}
+
+fn assert_bitwise(name: &str, a: &Path, b: &Path) {
+    for n in tools::dataset_paths(a).unwrap() {
+        let (_, xa) = tools::read_tensor(a, &n).unwrap();
+        let (_, xb) = tools::read_tensor(b, &n).unwrap();
+        assert!(xa.iter().zip(&xb).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: {n} differs");
+    }
+}
+
+/// Acceptance 1: every schedule and every composition reproduces the one-rank run (losses
+/// within `LOSS_TOL`, the final checkpoint within `PARAM_TOL`), and rank 0 moves the bytes
+/// `ndtrain plan` predicts, the pipeline's sends and receives included. A pipeline alone computes each
+/// micro-batch with the one-rank code in the one-rank order, so its losses are identical.
+#[test]
+fn every_schedule_and_composition_matches_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (base_s, base) = train(d, "one", 1, &[]);
+    let layouts: &[(&str, usize, &[&str], bool)] = &[
+        ("pp2_1f1b", 2, &["parallel.pp=2"], true),
+        ("pp2_gpipe", 2, &["parallel.pp=2", "parallel.pp_schedule=\"gpipe\""], true),
+        ("pp4_1f1b", 4, &["parallel.pp=4"], true),
+        ("pp4_gpipe", 4, &["parallel.pp=4", "parallel.pp_schedule=\"gpipe\""], true),
+        ("pp2_interleaved", 2, &["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=\"interleaved\""], true),
+        ("pp2_uneven", 2, &["parallel.pp=2", "parallel.pp_layers=[3, 1]", "train.activation_checkpointing=\"full\""], true),
+        ("pp2_fsdp2", 4, &["parallel.pp=2", "parallel.dp_shard=2"], false),
+        ("pp2_tp2_sp", 4, &["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], false),
+        ("pp2_cp2", 4, &["parallel.pp=2", "parallel.cp=2"], false),
+        ("pp2_hsdp2x2", 8, &["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2"], false),
+        ("pp2_fsdp2_tp2", 8, &["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], false),
+        ("pp2_cp2_tp2", 8, &["parallel.pp=2", "parallel.cp=2", "parallel.tp=2"], false),
+    ];
+    for (name, ranks, layout, bitwise) in layouts {
+        let (s, l) = train(d, name, *ranks, layout);
+        if *bitwise {
+            assert_eq!(s, base_s, "{name}: a pipeline alone gives the one-rank losses bit for bit");
+        }
+        assert_losses_within(name, &base, &l, LOSS_TOL);
+        assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
+        let owned: Vec<String> = SETS.iter().chain(layout.iter()).map(|s| s.to_string()).collect();
+        let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();
+        assert_bytes_match_formula(d, name, &deck, *ranks);
+        let norms = column(&d.join(name), "grad_norm");
+        assert!(norms.iter().all(|&n| n > 0.3), "{name}: clipping active in every step: {norms:?}");
+    }
+}
+
+/// Acceptance 1 (tied embeddings): both ends of the pipeline hold `embed_tokens`, their
+/// gradients are summed, and the run matches one rank's (within tolerance: the two halves of
+/// the tied gradient are summed in another order).
+#[test]
+fn tied_embeddings_across_the_pipeline_match_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let tied = "model.tie_embeddings=true";
+    let (_, base) = train(d, "one", 1, &[tied]);
+    for (name, ranks, layout) in [("pp2", 2, &["parallel.pp=2"][..]), ("pp2_tp2", 4, &["parallel.pp=2", "parallel.tp=2"][..])] {
+        let mut extra = layout.to_vec();
+        extra.push(tied);
+        let (_, l) = train(d, name, ranks, &extra);
+        assert_losses_within(name, &base, &l, LOSS_TOL);
+        assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
+        let owned: Vec<String> = SETS.iter().chain(extra.iter()).map(|s| s.to_string()).collect();
+        assert_bytes_match_formula(d, name, &ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap(), ranks);
+    }
+}
+
+/// Acceptance 2: a checkpoint written under pp 2 × tp 2 resumes bitwise on the same layout,
+/// within tolerance on one rank and on pp 4; a one-rank checkpoint resumes under pp 2.
+#[test]
+fn pipeline_checkpoints_resume_on_any_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let writer: &[&str] = &["parallel.pp=2", "parallel.tp=2"];
+    let (ws, _) = train(d, "writer", 4, writer);
+    let (_, one) = train(d, "one", 1, &[]);
+    let from = |name: &str| format!("checkpoint.resume=\"{}\"", ckpt(d, name, 3).display());
+    let r = from("writer");
+    let mut same = writer.to_vec();
+    same.push(&r);
+    let (s, _) = train(d, "same", 4, &same);
+    assert_eq!(s, ws[3..], "pp2×tp2 resumed on pp2×tp2: losses of steps 4..6 bit for bit");
+    assert_bitwise("same", &ckpt(d, "writer", 6), &ckpt(d, "same", 6));
+    for (name, ranks, layout) in [("on_one", 1, &[][..]), ("on_pp4", 4, &["parallel.pp=4"][..])] {
+        let mut extra = layout.to_vec();
+        extra.push(&r);
+        let (_, l) = train(d, name, ranks, &extra);
+        assert_losses_within(name, &one[3..], &l, LOSS_TOL);
+        assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
+    }
+    let r1 = from("one");
+    let (_, l) = train(d, "one_on_pp2", 2, &["parallel.pp=2", &r1]);
+    assert_losses_within("one_on_pp2", &one[3..], &l, LOSS_TOL);
+    assert_bitwise("one_on_pp2", &ckpt(d, "one", 6), &ckpt(d, "one_on_pp2", 6));
+}
