@@ -142,3 +142,17 @@ fn pipeline_checkpoints_resume_on_any_layout() {
     assert_losses_within("one_on_pp2", &one[3..], &l, LOSS_TOL);
     assert_bitwise("one_on_pp2", &ckpt(d, "one", 6), &ckpt(d, "one_on_pp2", 6));
 }
+
+/// Acceptance 1 (interleaved on 4 stages): 8 blocks as 8 virtual stages, 2 chunks per rank.
+#[test]
+fn interleaved_on_four_ranks_matches_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (base_s, _) = train(d, "one", 1, &["model.n_layers=8"]);
+    let layout = ["model.n_layers=8", "parallel.pp=4", "parallel.pp_virtual=2", "parallel.pp_schedule=\"interleaved\""];
+    let (s, _) = train(d, "pp4_v2", 4, &layout);
+    assert_eq!(s, base_s, "pp4 × 2 chunks: the one-rank losses bit for bit");
+    assert_bitwise("pp4_v2", &ckpt(d, "one", 6), &ckpt(d, "pp4_v2", 6));
+    let owned: Vec<String> = SETS.iter().chain(layout.iter()).map(|s| s.to_string()).collect();
+    assert_bytes_match_formula(d, "pp4_v2", &ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap(), 4);
+}

@@ -5,7 +5,7 @@
 //! from the same formulas the tests hold to the measured counters (`fsdp`, `tp`, `cp`), FLOPs
 //! from the formula of `docs/model.md`.
 //! Nothing of the model is allocated, so a 70B deck on 512 ranks plans in milliseconds.
-//! `rank_layouts` enumerates every valid `(dp_replicate, dp_shard, cp, tp)` of a world and
+//! `rank_layouts` enumerates every valid `(pp, dp_replicate, dp_shard, cp, tp)` of a world and
 //! orders them by a simple cost model over the `[hardware]` table (`docs/planning.md`).
 //! Knows nothing of MPI or training.
 
@@ -15,7 +15,7 @@ use crate::model::params::Dims;
 use crate::model::{ActivationMemory, Model};
 use crate::parallel::fsdp::memory::{predicted_comm_bytes as fsdp_bytes, predicted_memory, StateMemory};
 use crate::parallel::fsdp::ShardPlan;
-use crate::parallel::pp::schedule::peak_in_flight;
+use crate::parallel::pp::schedule::{bubble_fraction, peak_in_flight};
 use crate::parallel::pp::{chunks, rank_dims, Chunk};
 use crate::parallel::{cp, tp};
 use std::collections::BTreeMap;
@@ -43,6 +43,10 @@ pub struct RankPlan {
     pub flops_per_rank: f64,
     /// Bytes of the largest gathered unit (the size of one fsdp or dp_rep collective call).
     pub unit_bytes: usize,
+    /// The pipeline's idle fraction of a step under the deck's schedule (0 without one).
+    pub bubble: f64,
+    /// Micro-batches whose activations the first stage holds at once (each of its chunks').
+    pub in_flight: Vec<usize>,
 }
 
 impl RankPlan {
@@ -92,6 +96,8 @@ pub fn plan(res: &Resolved) -> RankPlan {
         flops_per_step,
         flops_per_rank: flops_per_step / l.world_size() as f64,
         unit_bytes: 4 * shards.max_gathered_len(),
+        bubble: if l.pp > 1 { bubble_fraction(l.pp, chunks.len(), res.grad_accum) } else { 0.0 },
+        in_flight,
     }
 }
 
@@ -155,23 +161,26 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
     out
 }
 
-/// Every layout of `world` ranks the deck accepts (others keep `[parallel]`'s flags), with the
-/// number of factorisations it refused.
+/// Every layout of `world` ranks the deck accepts (`pp × dp_replicate × dp_shard × cp × tp`;
+/// others keep `[parallel]`'s flags), with the number of factorisations it refused.
 pub fn valid_layouts(deck: &Deck, world: usize) -> (Vec<Resolved>, usize) {
     let divisors = |n: usize| (1..=n).filter(move |d| n % d == 0);
     let (mut ok, mut refused) = (vec![], 0);
-    for tp in divisors(world) {
-        for cp in divisors(world / tp) {
-            for rep in divisors(world / tp / cp) {
-                let shard = world / tp / cp / rep;
-                let mut d = deck.clone();
-                d.parallel.tp = tp as i64;
-                d.parallel.cp = cp as i64;
-                d.parallel.dp_replicate = rep as i64;
-                d.parallel.dp_shard = shard as i64;
-                match d.resolve(world) {
-                    Ok(r) => ok.push(r),
-                    Err(_) => refused += 1,
+    for pp in divisors(world) {
+        for tp in divisors(world / pp) {
+            for cp in divisors(world / pp / tp) {
+                for rep in divisors(world / pp / tp / cp) {
+                    let shard = world / pp / tp / cp / rep;
+                    let mut d = deck.clone();
+                    d.parallel.pp = pp as i64;
+                    d.parallel.tp = tp as i64;
+                    d.parallel.cp = cp as i64;
+                    d.parallel.dp_replicate = rep as i64;
+                    d.parallel.dp_shard = shard as i64;
+                    match d.resolve(world) {
+                        Ok(r) => ok.push(r),
+                        Err(_) => refused += 1,
+                    }
                 }
             }
         }
@@ -186,6 +195,8 @@ pub struct Cost {
     /// Seconds per group (all its collective kinds), without overlap.
     pub comm_s: BTreeMap<String, f64>,
     pub step_s: f64,
+    /// The fraction of the step a pipeline rank idles (0 without a pipeline).
+    pub bubble: f64,
     pub tokens_per_s: f64,
     /// `None` when `[hardware] memory_per_rank` is not set.
     pub fits: Option<bool>,
@@ -200,6 +211,8 @@ fn span(group: &str, l: &Layout) -> usize {
         "tp" => l.tp,
         "cp" => l.cp * l.tp,
         "fsdp" => l.dp_shard * l.cp * l.tp,
+        // Neighbouring stages are a stage's ranks apart.
+        "pp" => 2 * l.world_size() / l.pp,
         _ => l.world_size(),
     }
 }
@@ -211,6 +224,7 @@ fn group_size(group: &str, l: &Layout) -> usize {
         "fsdp" => l.fsdp(),
         "dp_rep" => l.dp_replicate,
         "batch" => l.dp(),
+        "pp" => l.pp,
         _ => 1,
     }
 }
@@ -239,6 +253,7 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
             "tp" => 4.0 * tokens * deck.model.d_model as f64,
             "cp" => 8.0 * tokens * (deck.model.n_kv_heads / l.tp * deck.model.head_dim()) as f64,
             "fsdp" | "dp_rep" => (p.unit_bytes as f64).max(1.0),
+            "pp" => 4.0 * tokens * deck.model.d_model as f64,
             _ => b,
         };
         let calls = (b / per_call).ceil().max(1.0);
@@ -247,11 +262,14 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
         *comm_s.entry(group.to_string()).or_default() += t;
     }
     let compute_s = p.flops_per_rank / peak_flops.max(1.0);
-    let step_s = compute_s + comm_s.values().sum::<f64>();
+    // A pipeline rank idles `bubble` of the step: the busy time is the rest.
+    let bubble = p.bubble;
+    let step_s = (compute_s + comm_s.values().sum::<f64>()) / (1.0 - bubble);
     Cost {
         compute_s,
         comm_s,
         step_s,
+        bubble,
         tokens_per_s: p.tokens_per_step as f64 / step_s.max(1e-12),
         fits: (hw.memory_per_rank > 0.0).then(|| (p.peak_bytes() as f64) <= hw.memory_per_rank),
         tp_in_node: l.tp <= per_node,
@@ -297,8 +315,26 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
         crate::config::Device::Cpu => "memory",
         crate::config::Device::Cuda => "device memory",
     };
-    let _ =
-        writeln!(s, "\n{place} per rank (rank 0 of dp_replicate={} dp_shard={} cp={} tp={}), MiB:", l.dp_replicate, l.dp_shard, l.cp, l.tp);
+    if l.pp > 1 {
+        let (pp, m) = (l.pp, p.grad_accum);
+        let v = res.stage_layers.len() / pp;
+        let _ = writeln!(
+            s,
+            "pipeline: schedule \"{}\", the first stage holds {:?} micro-batch(es) per chunk at once; bubble (idle fraction of a step) \
+             {:.1}% — gpipe and 1f1b {:.1}%, interleaved with 2 chunks {:.1}%",
+            res.deck.parallel.pp_schedule.name(),
+            p.in_flight,
+            100.0 * p.bubble,
+            100.0 * bubble_fraction(pp, 1, m),
+            100.0 * bubble_fraction(pp, v.max(2), m)
+        );
+    }
+    let stage = if l.pp > 1 { format!("pp={} (first stage) ", l.pp) } else { String::new() };
+    let _ = writeln!(
+        s,
+        "\n{place} per rank (rank 0 of {stage}dp_replicate={} dp_shard={} cp={} tp={}), MiB:",
+        l.dp_replicate, l.dp_shard, l.cp, l.tp
+    );
     let st = &p.state;
     let a = &p.activations;
     for (name, b) in [
@@ -359,8 +395,23 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
     );
     let _ = writeln!(
         s,
-        "\n{:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>13}  note",
-        "rank", "dp_rep", "dp_sh", "cp", "tp", "accum", "mem/rank", "compute s", "fsdp s", "tp s", "cp s", "dp s", "tokens/s"
+        "\n{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>13}  note",
+        "rank",
+        "pp",
+        "dp_rep",
+        "dp_sh",
+        "cp",
+        "tp",
+        "accum",
+        "mem/rank",
+        "compute s",
+        "fsdp s",
+        "tp s",
+        "cp s",
+        "pp s",
+        "dp s",
+        "bubble",
+        "tokens/s"
     );
     for (i, (p, c)) in ranked.iter().enumerate() {
         let l = &p.layout;
@@ -374,8 +425,9 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
         }
         let _ = writeln!(
             s,
-            "{:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>13.0}  {}",
+            "{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>6.1}% {:>13.0}  {}",
             i + 1,
+            l.pp,
             l.dp_replicate,
             l.dp_shard,
             l.cp,
@@ -386,7 +438,9 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
             g("fsdp"),
             g("tp"),
             g("cp"),
+            g("pp"),
             g("dp_rep") + g("batch"),
+            100.0 * c.bubble,
             c.tokens_per_s,
             note.join(", ")
         );
