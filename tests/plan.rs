@@ -113,3 +113,22 @@ fn a_llama3_8b_deck_on_512_ranks_plans_in_seconds() {
         assert!(out.contains(want), "plan shows {want}:\n{out}");
     }
 }
+
+/// The Llama 3 405B deck plans the paper's two layouts on 16,384 GPUs: both fit in 80 GiB, the
+/// first stage holds all 16 micro-batches under 1F1B, and the pipeline moves 1 GiB each way.
+#[test]
+fn the_llama3_405b_layouts_plan_and_fit() {
+    let deck = repo().join("inputs/llama3_405b.toml");
+    let long: &[&str] = &["parallel.cp=16", "train.seq_len=131072", "model.max_seq_len=131072", "train.global_batch=128"];
+    for sets in [&[][..], long] {
+        let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let d = Deck::from_file(&deck, &owned).unwrap();
+        let res = d.resolve(16384).unwrap();
+        assert_eq!((res.layout.pp, res.layout.tp, res.grad_accum), (16, 8, 16), "{sets:?}");
+        let p = ndtrain::tools::plan::plan(&res);
+        assert!((p.peak_bytes() as f64) < d.hardware.memory_per_rank, "{sets:?}: {} bytes", p.peak_bytes());
+        assert_eq!(p.in_flight, vec![16]);
+        assert_eq!(p.comm["pp.send"], 16 * 8192 / 8 * 16384 * 4, "{sets:?}");
+        assert!((p.bubble - 15.0 / 31.0).abs() < 1e-12);
+    }
+}
