@@ -93,7 +93,7 @@ pub(super) struct DeckFacts {
 
 impl DeckFacts {
     /// Reads the first-line comment (`# Resolved by ndtrain ... for 4 ranks: layout
-    /// dp_replicate=1 dp_shard=2 cp=1 tp=2, grad_accum=4, global_batch=16, ...`), which holds
+    /// pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=2, grad_accum=4, global_batch=16, ...`), which holds
     /// the resolved values (the TOML body keeps `dp_shard = -1` and friends as written), and
     /// `train.seq_len` from the TOML body.
     fn read(path: &Path) -> Result<DeckFacts, String> {
@@ -102,7 +102,7 @@ impl DeckFacts {
         let bad_comment = || {
             format!(
                 "{}:1: expected the comment that ndtrain train writes, \
-                 '# Resolved by ndtrain ... for N ranks: layout dp_replicate=.. dp_shard=.. cp=.. tp=.., ... global_batch=..'",
+                 '# Resolved by ndtrain ... for N ranks: layout pp=.. dp_replicate=.. dp_shard=.. cp=.. tp=.., ... global_batch=..'",
                 path.display()
             )
         };
