@@ -1,11 +1,14 @@
 //! Finite-difference checks of the hand-written backward, in f64, for every parameter tensor
-//! and for the attention kernel on its own (several query blocks, GQA, causal mask).
+//! (the backward whole, and split into input and weight gradients as the zero-bubble pipeline
+//! runs it) and for the attention kernel on its own (several query blocks, GQA, causal mask).
 
 use ndtrain::backend::cpu::attention::{attention_bwd, attention_fwd};
+use ndtrain::backend::cpu::Cpu;
 use ndtrain::backend::AttnDims;
 use ndtrain::config::{ActCkpt, ModelCfg};
+use ndtrain::model::hooks::Hooks;
 use ndtrain::model::params::{param_specs, ModelParams};
-use ndtrain::model::{Model, Tokens};
+use ndtrain::model::{Model, Tokens, WeightGradWork};
 use ndtrain::rng;
 
 /// Central differences in f64 with step 1e-5 have truncation error ~h²·f''' ≈ 1e-10 and
@@ -42,7 +45,19 @@ fn perturbed_params(cfg: &ModelCfg) -> ModelParams<f64> {
     p
 }
 
+/// How the gradient is computed: the backward whole, or its input-gradient half and then the
+/// weight-gradient half from the kept operands.
+#[derive(Clone, Copy, PartialEq)]
+enum Backward {
+    Whole,
+    Split,
+}
+
 fn check_model(tie: bool, ckpt: ActCkpt) {
+    check_model_with(tie, ckpt, Backward::Whole)
+}
+
+fn check_model_with(tie: bool, ckpt: ActCkpt, how: Backward) {
     let cfg = small_cfg(tie);
     let (b, s) = (2, 7);
     let inputs: Vec<u32> = (0..b * s).map(|i| ((i * 7 + 3) % cfg.vocab_size) as u32).collect();
@@ -55,7 +70,14 @@ fn check_model(tie: bool, ckpt: ActCkpt) {
     let mut model = Model::<f64>::new(&cfg, ckpt);
     let mut grads = ModelParams::<f64>::zeros(&cfg);
     model.forward(&params, &tok);
-    model.backward(&params, &mut grads, scale);
+    match how {
+        Backward::Whole => model.backward(&params, &mut grads, scale),
+        Backward::Split => {
+            let mut work = WeightGradWork::default();
+            model.backward_input_stage(&mut &params, &mut grads, scale, Hooks::one_rank(), None, &mut work);
+            work.apply(&Cpu::default(), &mut grads);
+        }
+    }
 
     let specs = param_specs(&cfg);
     let mut probe = params.clone();
@@ -81,6 +103,14 @@ fn check_model(tie: bool, ckpt: ActCkpt) {
 #[test]
 fn every_parameter_gradient_matches_finite_differences() {
     check_model(false, ActCkpt::None);
+}
+
+/// Zero bubble's split backward, with the recomputation of full checkpointing (the kept
+/// operands are copied out of the recompute scratch) and tied embeddings.
+#[test]
+fn split_backward_gradient_matches_finite_differences() {
+    check_model_with(false, ActCkpt::None, Backward::Split);
+    check_model_with(true, ActCkpt::Full, Backward::Split);
 }
 
 #[test]

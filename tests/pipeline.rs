@@ -1,5 +1,5 @@
 //! Pipeline parallelism against one rank, through the real binary under `mpirun`: every
-//! schedule on 2 and 4 stages, the interleaved schedule, the pipeline composed with FSDP, TP
+//! schedule (zero bubble included) on 2 and 4 stages, the interleaved schedule, the pipeline composed with FSDP, TP
 //! with SP, CP and HSDP (8 ranks included), tied embeddings, and checkpoints written on one
 //! pipeline layout and resumed on others.
 
@@ -70,11 +70,26 @@ fn every_schedule_and_composition_matches_one_rank() {
         ("pp2_gpipe", 2, &["parallel.pp=2", "parallel.pp_schedule=\"gpipe\""], true),
         ("pp4_1f1b", 4, &["parallel.pp=4"], true),
         ("pp4_gpipe", 4, &["parallel.pp=4", "parallel.pp_schedule=\"gpipe\""], true),
+        ("pp2_zero_bubble", 2, &["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\""], true),
+        ("pp4_zero_bubble", 4, &["parallel.pp=4", "parallel.pp_schedule=\"zero_bubble\""], true),
         ("pp2_interleaved", 2, &["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=\"interleaved\""], true),
         ("pp2_uneven", 2, &["parallel.pp=2", "parallel.pp_layers=[3, 1]", "train.activation_checkpointing=\"full\""], true),
         ("pp2_fsdp2", 4, &["parallel.pp=2", "parallel.dp_shard=2"], false),
         ("pp2_tp2_sp", 4, &["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], false),
         ("pp2_cp2", 4, &["parallel.pp=2", "parallel.cp=2"], false),
+        ("pp2_fsdp2_zero_bubble", 4, &["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=\"zero_bubble\""], false),
+        (
+            "pp2_tp2_sp_zero_bubble_full",
+            4,
+            &[
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.pp_schedule=\"zero_bubble\"",
+                "train.activation_checkpointing=\"full\"",
+            ],
+            false,
+        ),
         ("pp2_hsdp2x2", 8, &["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=2"], false),
         ("pp2_fsdp2_tp2", 8, &["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2"], false),
         ("pp2_cp2_tp2", 8, &["parallel.pp=2", "parallel.cp=2", "parallel.tp=2"], false),

@@ -52,6 +52,8 @@ fn the_plan_matches_the_measured_bytes_and_memory() {
         // GPipe.
         ("pp2_1f1b", 2, &["parallel.pp=2"]),
         ("pp2_gpipe", 2, &["parallel.pp=2", "parallel.pp_schedule=\"gpipe\""]),
+        // Zero bubble: 1F1B's activations, and the weight-gradient operands it keeps.
+        ("pp2_zero_bubble", 2, &["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\""]),
     ];
     for (name, ranks, layout) in layouts {
         let mut sets: Vec<&str> = MODEL.to_vec();

@@ -78,6 +78,8 @@ fn report_of_one_run_and_of_a_strong_scaling_set() {
     for n in [1, 2, 4] {
         train_losses(d, &format!("fsdp{n}"), &tiny_deck(), Some(n), FAST);
     }
+    let pp_sets: Vec<&str> = FAST.iter().copied().chain(["parallel.pp=2", "model.n_layers=4"]).collect();
+    train_losses(d, "pp2", &tiny_deck(), Some(2), &pp_sets);
     let trained = start.elapsed();
 
     // The 4-rank FSDP×TP run alone: no scaling table or plot.
@@ -89,7 +91,7 @@ fn report_of_one_run_and_of_a_strong_scaling_set() {
     for phase in ["data", "forward", "backward", "comm", "optimizer", "checkpoint", "wait"] {
         assert!(md.contains(&format!("| fsdp2_tp2 | {phase} |")), "phase {phase} missing:\n{md}");
     }
-    assert!(md.contains("tp.all_reduce") && !md.contains("## Scaling"), "{md}");
+    assert!(md.contains("tp.all_reduce") && !md.contains("## Scaling") && !md.contains("## Pipeline bubble"), "{md}");
     let rows = csv_rows(&out.join("summary.csv"));
     assert_eq!(rows.len(), 1);
     let r = &rows[0];
@@ -131,7 +133,20 @@ fn report_of_one_run_and_of_a_strong_scaling_set() {
     let mut stems: Vec<String> = ["loss", "comm_bytes", "scaling"].map(String::from).to_vec();
     stems.extend([1, 2, 4].map(|n| format!("phases_fsdp{n}")));
     assert_plots(&out, &stems);
-    eprintln!("trained 4 runs in {:.1} s, reports took {:.1} s", trained.as_secs_f64(), (start.elapsed() - trained).as_secs_f64());
+    // A pipeline run: the bubble of each stage, between 0 and 100 %.
+    let out = d.join("report_pp");
+    let o = report(&[d.join("pp2")], &out);
+    assert!(o.status.success(), "{}", text(&o));
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(md.contains("## Pipeline bubble") && md.contains("2×1×1×1×1"), "{md}");
+    for stage in 0..2 {
+        let row = md.lines().find(|l| l.starts_with(&format!("| pp2 | {stage} | 1 |"))).unwrap_or_else(|| panic!("stage {stage}:\n{md}"));
+        let bubble: f64 = row.trim_end_matches(" |").rsplit("| ").next().unwrap().trim_end_matches('%').parse().unwrap();
+        assert!((0.0..100.0).contains(&bubble) && bubble > 0.0, "{row}");
+    }
+    assert_eq!(num(&csv_rows(&out.join("summary.csv"))[0], "pp"), 2.0);
+
+    eprintln!("trained 5 runs in {:.1} s, reports took {:.1} s", trained.as_secs_f64(), (start.elapsed() - trained).as_secs_f64());
 }
 
 /// A run directory written by hand: 1 rank, 3 steps, the columns the report reads.

@@ -74,7 +74,9 @@ fn a_slurm_job_trains_and_checkpoints_and_a_second_job_resumes() {
     ranks.sort();
     assert_eq!(ranks, ["rank_00000.csv", "rank_00001.csv", "rank_00002.csv", "rank_00003.csv"]);
     assert_eq!(losses(&run).1.len(), 6);
-    assert!(std::fs::read_to_string(run.join("deck.toml")).unwrap().contains("for 4 ranks: layout pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=2"));
+    assert!(std::fs::read_to_string(run.join("deck.toml"))
+        .unwrap()
+        .contains("for 4 ranks: layout pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=2"));
 
     // The second job continues the same run to step 10 from the checkpoint of step 6.
     let (rc, log) = sbatch(&env, dir.path(), "second", &format!("run.steps=10 {common}"));

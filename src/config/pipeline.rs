@@ -30,10 +30,6 @@ impl Deck {
             ))
             .with_hint("write a checkpoint and export it with `ndtrain checkpoint export FILE DIR`"));
         }
-        if sched == PpSchedule::ZeroBubble {
-            return Err(err("[parallel] pp_schedule = \"zero_bubble\" is not available in this version".into())
-                .with_hint("use \"1f1b\" (or \"interleaved\" with pp_virtual ≥ 2)"));
-        }
         match (sched, v) {
             (PpSchedule::Interleaved, 1) => {
                 return Err(err(
@@ -41,7 +37,7 @@ impl Deck {
                 )
                 .with_hint("set pp_virtual = 2, or pp_schedule = \"1f1b\""))
             }
-            (PpSchedule::Gpipe | PpSchedule::OneFOneB, v) if v > 1 => {
+            (PpSchedule::Gpipe | PpSchedule::OneFOneB | PpSchedule::ZeroBubble, v) if v > 1 => {
                 return Err(err(format!(
                     "[parallel] pp_virtual({v}) > 1 needs pp_schedule = \"interleaved\", but it is \"{}\"",
                     sched.name()
@@ -196,6 +192,10 @@ mod tests {
         );
         assert!(rejects(&with(&["parallel.pp=2", "parallel.pp_schedule=\"interleaved\""]), 2).contains("needs pp_virtual ≥ 2"));
         assert!(rejects(&with(&["parallel.pp=2", "parallel.pp_virtual=2"]), 2).contains("needs pp_schedule = \"interleaved\""));
+        assert_eq!(
+            rejects(&with(&["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=\"zero_bubble\""]), 2),
+            "[parallel] pp_virtual(2) > 1 needs pp_schedule = \"interleaved\", but it is \"zero_bubble\""
+        );
         assert!(rejects(
             &with(&["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=\"interleaved\"", "train.global_batch=5"]),
             2

@@ -145,6 +145,40 @@ impl<V> BlockGrads<V> {
     }
 }
 
+/// Zero bubble's deferred weight gradients of one block: the operands of its seven
+/// weight-gradient GEMMs, kept from the input-gradient half of its backward (`B`) until the
+/// weight-gradient half (`W`), and the two norms' weight gradients (computed with `B`).
+#[derive(Default)]
+pub(super) struct DeferredWeights<V> {
+    /// Per projection (`block::Proj` order: q, k, v, o, gate, up, down), the gradient of its
+    /// output `[N, out]`, gathered to all `N` rows.
+    pub(super) dy: [V; 7],
+    /// The projections' inputs `[N, in]`, gathered: xn1 (q, k, v), att_tok (o), xn2 (gate,
+    /// up), h (down).
+    pub(super) x: [V; 4],
+    pub(super) dnorm1: V, // [D]
+    pub(super) dnorm2: V, // [D]
+}
+
+/// Element counts of [`DeferredWeights`]: `dy` in projection order, then `x`, then the norms.
+pub(super) fn deferred_lens(m: &Dims, n: usize) -> [usize; 13] {
+    let (d, f) = (m.d, m.ffn_local);
+    let (qd, kvd) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
+    [n * qd, n * kvd, n * kvd, n * d, n * f, n * f, n * d, n * d, n * qd, n * d, n * f, d, d]
+}
+
+impl<V> DeferredWeights<V> {
+    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize) -> Self {
+        let mut bufs = deferred_lens(m, n).map(|len| be.zeros(len)).into_iter();
+        let mut next = || bufs.next().expect("13 buffers");
+        DeferredWeights { dy: std::array::from_fn(|_| next()), x: std::array::from_fn(|_| next()), dnorm1: next(), dnorm2: next() }
+    }
+
+    pub(super) fn elements<T: Real, B: Backend<T, Buf = V>>(&self, be: &B) -> usize {
+        self.dy.iter().chain(&self.x).chain([&self.dnorm1, &self.dnorm2]).map(|t| be.len(t)).sum()
+    }
+}
+
 /// The buffers a [`super::Model`] allocates for micro-batches of `B × S` tokens, in bytes of `f32`, by
 /// what they hold. `activations()` is what `Model::activation_bytes` reports once the buffers
 /// exist; the planner predicts memory from this without allocating anything.
@@ -161,12 +195,16 @@ pub struct ActivationMemory {
     pub head: usize,
     /// Gradient buffers of one block's backward (reused across blocks) and of the residual.
     pub backward: usize,
+    /// Zero bubble: every block's weight-gradient operands, kept from a micro-batch's input
+    /// gradient to its weight gradient (0 under the other schedules).
+    pub deferred: usize,
 }
 
 impl ActivationMemory {
-    /// Held between forward and backward (the measured `activation_bytes`).
+    /// Held between forward and backward (the measured `activation_bytes`), and under zero
+    /// bubble until the weight gradient.
     pub fn activations(&self) -> usize {
-        self.saved + self.recompute + self.logits + self.head
+        self.saved + self.recompute + self.logits + self.head + self.deferred
     }
 
     pub fn total(&self) -> usize {
@@ -181,6 +219,7 @@ impl ActivationMemory {
             logits: k * self.logits,
             head: k * self.head,
             backward: k * self.backward,
+            deferred: k * self.deferred,
         }
     }
 
@@ -192,6 +231,7 @@ impl ActivationMemory {
             logits: self.logits + o.logits,
             head: self.head + o.head,
             backward: self.backward + o.backward,
+            deferred: self.deferred + o.deferred,
         }
     }
 }

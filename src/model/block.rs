@@ -7,7 +7,7 @@
 //! `N_local` rows of the residual stream on this rank, `D` width, `H`/`KV` query/kv heads on
 //! this rank, `hd` head dim, `F` ffn hidden on this rank.
 
-use super::activations::{BlockActs, BlockGrads};
+use super::activations::{BlockActs, BlockGrads, DeferredWeights};
 use super::hooks::Hooks;
 use super::params::{Dims, Layer};
 use crate::backend::{AttnDims, Backend};
@@ -92,44 +92,164 @@ pub(super) fn recompute_cheap<T: Real, B: Backend<T>>(ctx: &BlockCtx<T, B>, w: &
     be.swiglu_fwd(&mut a.h, &a.gate, &a.up);
 }
 
+/// A block's projections, in the order of [`DeferredWeights`]' `dy`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Proj {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Proj {
+    const ALL: [Proj; 7] = [Proj::Q, Proj::K, Proj::V, Proj::O, Proj::Gate, Proj::Up, Proj::Down];
+
+    /// Which of [`DeferredWeights`]' `x` is this projection's input.
+    fn input(self) -> usize {
+        match self {
+            Proj::Q | Proj::K | Proj::V => 0,
+            Proj::O => 1,
+            Proj::Gate | Proj::Up => 2,
+            Proj::Down => 3,
+        }
+    }
+
+    /// Whether the input is first met by this projection in backward (the others share it).
+    fn copies_input(self) -> bool {
+        matches!(self, Proj::Q | Proj::O | Proj::Gate | Proj::Down)
+    }
+
+    fn of<V>(self, l: &mut Layer<V>) -> &mut V {
+        match self {
+            Proj::Q => &mut l.q_proj,
+            Proj::K => &mut l.k_proj,
+            Proj::V => &mut l.v_proj,
+            Proj::O => &mut l.o_proj,
+            Proj::Gate => &mut l.gate_proj,
+            Proj::Up => &mut l.up_proj,
+            Proj::Down => &mut l.down_proj,
+        }
+    }
+
+    /// `(out, in)` of its weight `[out, in]`.
+    fn shape(self, m: &Dims) -> (usize, usize) {
+        let (q, kv) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
+        match self {
+            Proj::Q => (q, m.d),
+            Proj::K | Proj::V => (kv, m.d),
+            Proj::O => (m.d, q),
+            Proj::Gate | Proj::Up => (m.ffn_local, m.d),
+            Proj::Down => (m.d, m.ffn_local),
+        }
+    }
+}
+
+/// Where a block's backward puts its weight gradients: accumulated into the gradients now, or
+/// (zero bubble) their operands kept for [`block_bwd_weight`].
+pub(super) enum WeightGrads<'a, V> {
+    Now(&'a mut Layer<V>),
+    Deferred(&'a mut DeferredWeights<V>),
+}
+
+/// `dx (=|+=) dy · w` of projection `p` (`acc`), and its weight gradient: `dw += dyᵀ · x` now,
+/// or `dy` and `x` copied for later.
+#[allow(clippy::too_many_arguments)]
+fn proj_bwd<T: Real, B: Backend<T>>(
+    ctx: &BlockCtx<T, B>,
+    sink: &mut WeightGrads<B::Buf>,
+    p: Proj,
+    dx: &mut B::Buf,
+    acc: bool,
+    dy: &B::Buf,
+    x: &B::Buf,
+    w: &B::Buf,
+) {
+    let (be, n) = (ctx.be, ctx.b * ctx.s);
+    let (out, inp) = p.shape(ctx.m);
+    match sink {
+        WeightGrads::Now(dw) => be.linear_bwd(dx, acc, p.of(dw), dy, x, w, n, out, inp),
+        WeightGrads::Deferred(k) => {
+            be.linear_bwd_input(dx, dy, w, n, out, inp, acc);
+            be.copy(&mut k.dy[p as usize], dy);
+            if p.copies_input() {
+                be.copy(&mut k.x[p.input()], x);
+            }
+        }
+    }
+}
+
+/// The norm weight's gradient slot of a block's backward: the gradient now, or (zero bubble)
+/// the kept one, zeroed.
+fn norm_slot<'a, T: Real, B: Backend<T>>(be: &B, sink: &'a mut WeightGrads<B::Buf>, second: bool) -> &'a mut B::Buf {
+    match sink {
+        WeightGrads::Now(dw) => {
+            if second {
+                &mut dw.post_attention_layernorm
+            } else {
+                &mut dw.input_layernorm
+            }
+        }
+        WeightGrads::Deferred(k) => {
+            let slot = if second { &mut k.dnorm2 } else { &mut k.dnorm1 };
+            be.fill(slot, T::ZERO);
+            slot
+        }
+    }
+}
+
+/// Zero bubble's weight-gradient half of a block's backward: the seven weight-gradient GEMMs
+/// from their kept operands, and the norms' kept gradients, ACCUMULATED (`+=`) into `dw`.
+pub(super) fn block_bwd_weight<T: Real, B: Backend<T>>(be: &B, m: &Dims, n: usize, k: &DeferredWeights<B::Buf>, dw: &mut Layer<B::Buf>) {
+    for p in Proj::ALL {
+        let (out, inp) = p.shape(m);
+        be.linear_bwd_weight(p.of(dw), &k.dy[p as usize], &k.x[p.input()], n, out, inp, true);
+    }
+    be.add_assign(&mut dw.input_layernorm, &k.dnorm1);
+    be.add_assign(&mut dw.post_attention_layernorm, &k.dnorm2);
+}
+
 /// One decoder block backward. `dx` holds the gradient of the block output on entry and of
-/// the block input on exit; weight gradients ACCUMULATE (`+=`) into `dw`.
+/// the block input on exit; weight gradients ACCUMULATE (`+=`) into `dw`'s layer, or are
+/// deferred (see [`WeightGrads`]).
 pub(super) fn block_bwd<T: Real, B: Backend<T>>(
     ctx: &BlockCtx<T, B>,
     w: &Layer<B::Buf>,
-    dw: &mut Layer<B::Buf>,
+    mut dw: WeightGrads<B::Buf>,
     a: &BlockActs<B::Buf>,
     g: &mut BlockGrads<B::Buf>,
     dx: &mut B::Buf,
 ) {
     let (be, m, tp) = (ctx.be, ctx.m, ctx.hooks.tp);
-    let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
-    let (d, f, hd) = (m.d, m.ffn_local, m.hd);
+    let (b, s) = (ctx.b, ctx.s);
+    let (d, hd) = (m.d, m.hd);
     let (nh, nkv) = (m.heads_local, m.kv_heads_local);
     let rope = Some((ctx.cos, ctx.sin));
     let poke = ctx.hooks.progress;
 
     // MLP: out = x1 + down(h). The output gradient, gathered to all N rows.
     let dout = tp.gather(dx, &mut g.full_a);
-    be.linear_bwd(&mut g.dh, false, &mut dw.down_proj, dout, &a.h, &w.down_proj, n, d, f);
+    proj_bwd(ctx, &mut dw, Proj::Down, &mut g.dh, false, dout, &a.h, &w.down_proj);
     poke();
     be.swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
     // xn2 is gathered again rather than kept. dxn2: partial sums of the column-parallel
     // gate/up, reduced into this rank's rows.
     let xn2 = tp.gather(&a.xn2, &mut g.full_a);
     let partial = tp.partial(&mut g.dxn, &mut g.full_b);
-    be.linear_bwd(partial, false, &mut dw.gate_proj, &g.dgate, xn2, &w.gate_proj, n, f, d);
+    proj_bwd(ctx, &mut dw, Proj::Gate, partial, false, &g.dgate, xn2, &w.gate_proj);
     poke();
-    be.linear_bwd(partial, true, &mut dw.up_proj, &g.dup, xn2, &w.up_proj, n, f, d);
+    proj_bwd(ctx, &mut dw, Proj::Up, partial, true, &g.dup, xn2, &w.up_proj);
     poke();
     tp.finish(&mut g.dxn, &g.full_b);
     // dx1 = dout (residual) + norm2 backward.
     be.copy(&mut g.dx1, dx);
-    be.rmsnorm_bwd(&mut g.dx1, &mut dw.post_attention_layernorm, &g.dxn, &a.x1, &w.post_attention_layernorm, &a.rstd2, d, true);
+    be.rmsnorm_bwd(&mut g.dx1, norm_slot(be, &mut dw, true), &g.dxn, &a.x1, &w.post_attention_layernorm, &a.rstd2, d, true);
 
     // Attention: x1 = x + o(att_tok).
     let dx1 = tp.gather(&g.dx1, &mut g.full_a);
-    be.linear_bwd(&mut g.d_tok, false, &mut dw.o_proj, dx1, &a.att_tok, &w.o_proj, n, d, nh * hd);
+    proj_bwd(ctx, &mut dw, Proj::O, &mut g.d_tok, false, dx1, &a.att_tok, &w.o_proj);
     poke();
     be.tokens_to_heads(&mut g.datt, &g.d_tok, b, s, nh, hd, None);
     let grads = (&mut g.dq, &mut g.dk, &mut g.dv);
@@ -140,15 +260,15 @@ pub(super) fn block_bwd<T: Real, B: Backend<T>>(
     let xn1 = tp.gather(&a.xn1, &mut g.full_a);
     let partial = tp.partial(&mut g.dxn, &mut g.full_b);
     be.heads_to_tokens(&mut g.d_tok, &g.dq, b, s, nh, hd, rope);
-    be.linear_bwd(partial, false, &mut dw.q_proj, &g.d_tok, xn1, &w.q_proj, n, nh * hd, d);
+    proj_bwd(ctx, &mut dw, Proj::Q, partial, false, &g.d_tok, xn1, &w.q_proj);
     poke();
     be.heads_to_tokens(&mut g.dkv_tok, &g.dk, b, s, nkv, hd, rope);
-    be.linear_bwd(partial, true, &mut dw.k_proj, &g.dkv_tok, xn1, &w.k_proj, n, nkv * hd, d);
+    proj_bwd(ctx, &mut dw, Proj::K, partial, true, &g.dkv_tok, xn1, &w.k_proj);
     poke();
     be.heads_to_tokens(&mut g.dkv_tok, &g.dv, b, s, nkv, hd, None);
-    be.linear_bwd(partial, true, &mut dw.v_proj, &g.dkv_tok, xn1, &w.v_proj, n, nkv * hd, d);
+    proj_bwd(ctx, &mut dw, Proj::V, partial, true, &g.dkv_tok, xn1, &w.v_proj);
     tp.finish(&mut g.dxn, &g.full_b);
     // dx = dx1 (residual) + norm1 backward.
     be.copy(dx, &g.dx1);
-    be.rmsnorm_bwd(dx, &mut dw.input_layernorm, &g.dxn, &a.x, &w.input_layernorm, &a.rstd1, d, true);
+    be.rmsnorm_bwd(dx, norm_slot(be, &mut dw, false), &g.dxn, &a.x, &w.input_layernorm, &a.rstd1, d, true);
 }

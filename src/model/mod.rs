@@ -28,8 +28,8 @@ use crate::backend::cpu::Cpu;
 use crate::backend::Backend;
 use crate::config::{ActCkpt, ModelCfg};
 use crate::scalar::Real;
-use activations::{block_acts_lens, block_grads_lens, ActsRole, BlockActs, BlockGrads};
-use block::{block_bwd, block_fwd, recompute_cheap, BlockCtx};
+use activations::{block_acts_lens, block_grads_lens, deferred_lens, ActsRole, BlockActs, BlockGrads, DeferredWeights};
+use block::{block_bwd, block_bwd_weight, block_fwd, recompute_cheap, BlockCtx, WeightGrads};
 use hooks::{GradSink, Hooks, WeightSource};
 use params::{Dims, ModelParams};
 use positions::rope_tables;
@@ -159,7 +159,14 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             head: 4 * head,
             // Block gradients, the residual's gradient, and the loss's two row scratches.
             backward: 4 * (grads + nl * m.d + h * 2 * n),
+            deferred: 0,
         }
+    }
+
+    /// Bytes of the weight-gradient operands zero bubble keeps per micro-batch (every block's
+    /// [`DeferredWeights`]), for `B × S` tokens per rank.
+    pub fn deferred_memory(m: &Dims, b: usize, s: usize) -> usize {
+        4 * m.layers * deferred_lens(m, b * s).iter().sum::<usize>()
     }
 
     fn ensure_buffers(&mut self, b: usize, s: usize, rows: Rows) {
@@ -337,6 +344,43 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         hooks: Hooks<'_, T, B>,
         output_grad: Option<&B::Buf>,
     ) {
+        self.backward_pass(w, gs, loss_scale, hooks, output_grad, None)
+    }
+
+    /// Zero bubble's input-gradient half of [`Model::backward_stage`]: everything but the
+    /// blocks' weight gradients, whose operands go to `work` (the embedding's, the final
+    /// norm's and the output projection's gradients are computed and handed to `gs` as
+    /// usual). The model's activations are free again afterwards; the blocks' weight gradients
+    /// follow with [`WeightGradWork::apply`].
+    pub fn backward_input_stage<W: WeightSource<B::Buf>, G: GradSink<B::Buf>>(
+        &mut self,
+        w: &mut W,
+        gs: &mut G,
+        loss_scale: T,
+        hooks: Hooks<'_, T, B>,
+        output_grad: Option<&B::Buf>,
+        work: &mut WeightGradWork<B::Buf>,
+    ) {
+        let n = self.bs.0 * self.bs.1;
+        if work.n != n || work.m != self.m {
+            *work = WeightGradWork {
+                m: self.m.clone(),
+                n,
+                blocks: (0..self.m.layers).map(|_| DeferredWeights::alloc(&self.be, &self.m, n)).collect(),
+            };
+        }
+        self.backward_pass(w, gs, loss_scale, hooks, output_grad, Some(&mut work.blocks))
+    }
+
+    fn backward_pass<W: WeightSource<B::Buf>, G: GradSink<B::Buf>>(
+        &mut self,
+        w: &mut W,
+        gs: &mut G,
+        loss_scale: T,
+        hooks: Hooks<'_, T, B>,
+        output_grad: Option<&B::Buf>,
+        mut deferred: Option<&mut Vec<DeferredWeights<B::Buf>>>,
+    ) {
         let tp = hooks.tp;
         let (b, s) = self.bs;
         let n = b * s;
@@ -389,12 +433,18 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
                 }
             };
             // dx: gradient w.r.t. the block output in, w.r.t. the block input out.
-            block_bwd(&ctx, wl, gs.block_mut(l), acts, &mut self.grads, &mut self.dx);
+            let dw = match deferred.as_deref_mut() {
+                Some(kept) => WeightGrads::Deferred(&mut kept[l]),
+                None => WeightGrads::Now(gs.block_mut(l)),
+            };
+            block_bwd(&ctx, wl, dw, acts, &mut self.grads, &mut self.dx);
             if self.ckpt == ActCkpt::Selective {
                 self.saved[l].swap_cheap(&mut self.scratch);
             }
             w.block_done(l);
-            gs.block_done(l);
+            if deferred.is_none() {
+                gs.block_done(l);
+            }
         }
         // Embedding: dE[token[n]] += dx[n] for the vocabulary rows this rank holds (dx gathered
         // to all N rows: conjugate of the reduce-scatter after the lookup).
@@ -406,5 +456,36 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         if self.m.embed || self.m.head {
             gs.globals_done();
         }
+    }
+}
+
+/// Zero bubble's weight-gradient operands of one micro-batch's backward on one model piece:
+/// what [`Model::backward_input_stage`] keeps so that the blocks' weight gradients can be
+/// computed later, by [`WeightGradWork::apply`].
+pub struct WeightGradWork<V> {
+    m: Dims,
+    n: usize,
+    blocks: Vec<DeferredWeights<V>>,
+}
+
+impl<V> Default for WeightGradWork<V> {
+    fn default() -> Self {
+        WeightGradWork { m: Dims::default(), n: 0, blocks: vec![] }
+    }
+}
+
+impl<V> WeightGradWork<V> {
+    /// Every block's weight gradients from the kept operands, ACCUMULATED (`+=`) into the
+    /// gradients `gs` hands out, last block first, each handed back with `block_done`.
+    pub fn apply<T: Real, B: Backend<T, Buf = V>, G: GradSink<V>>(&self, be: &B, gs: &mut G) {
+        for l in (0..self.blocks.len()).rev() {
+            block_bwd_weight(be, &self.m, self.n, &self.blocks[l], gs.block_mut(l));
+            gs.block_done(l);
+        }
+    }
+
+    /// Bytes held (`f32` elements).
+    pub fn bytes<T: Real, B: Backend<T, Buf = V>>(&self, be: &B) -> usize {
+        4 * self.blocks.iter().map(|k| k.elements(be)).sum::<usize>()
     }
 }

@@ -58,7 +58,7 @@ pub enum ParamKind {
 
 /// The sizes of one rank's copy of the model: the deck's `[model]`, divided by the tp degree
 /// where tensor parallelism splits it (those end in `_local`).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Dims {
     /// Vocabulary rows on this rank: `ceil(V / tp)` (the last rank's rows past `V` are padding).
     pub vocab_local: usize,

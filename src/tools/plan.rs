@@ -15,7 +15,7 @@ use crate::model::params::Dims;
 use crate::model::{ActivationMemory, Model};
 use crate::parallel::fsdp::memory::{predicted_comm_bytes as fsdp_bytes, predicted_memory, StateMemory};
 use crate::parallel::fsdp::ShardPlan;
-use crate::parallel::pp::schedule::{bubble_fraction, peak_in_flight};
+use crate::parallel::pp::schedule::{bubble_fraction, peak_deferred, peak_in_flight};
 use crate::parallel::pp::{chunks, rank_dims, Chunk};
 use crate::parallel::{cp, tp};
 use std::collections::BTreeMap;
@@ -65,18 +65,22 @@ pub fn plan(res: &Resolved) -> RankPlan {
     let shards = ShardPlan::new(&dims, l.fsdp(), 0);
     let p = &deck.parallel;
     let in_flight = peak_in_flight(schedule_of(res), l.pp, chunks.len(), 0, res.grad_accum);
+    let deferred = peak_deferred(schedule_of(res), l.pp, chunks.len(), 0, res.grad_accum);
     let state = predicted_memory(&shards, l.dp_replicate, p.reshard_after_forward, p.overlap);
     let s_local = deck.train.seq_len / l.cp;
     let mb = deck.train.micro_batch;
     let rows = tp::residual_rows(mb * s_local, l.tp, p.sequence_parallel);
     // One model per micro-batch in flight on each chunk (one without a pipeline).
     let acts = |ckpt| {
-        let per_chunk = chunks.iter().zip(&in_flight).map(|(c, &k)| {
+        let per_chunk = chunks.iter().zip(in_flight.iter().zip(&deferred)).map(|(c, (&k, &kept))| {
             let cd = dims.stage(c.layer_ids.clone(), c.embed, c.head);
             let mut a = Model::<f32>::memory(&cd, mb, s_local, ckpt, rows);
             // The ring attention's scratch is allocated beside the block's backward buffers.
             a.backward += 4 * cp::ring_scratch_elements(&cd, mb, s_local, l.cp);
-            a.times(k)
+            let mut a = a.times(k);
+            // Zero bubble: the weight-gradient operands of `kept` micro-batches wait besides.
+            a.deferred = kept * Model::<f32>::deferred_memory(&cd, mb, s_local);
+            a
         });
         per_chunk.fold(ActivationMemory::default(), ActivationMemory::plus)
     };
@@ -96,7 +100,7 @@ pub fn plan(res: &Resolved) -> RankPlan {
         flops_per_step,
         flops_per_rank: flops_per_step / l.world_size() as f64,
         unit_bytes: 4 * shards.max_gathered_len(),
-        bubble: if l.pp > 1 { bubble_fraction(l.pp, chunks.len(), res.grad_accum) } else { 0.0 },
+        bubble: if l.pp > 1 { bubble_fraction(schedule_of(res), l.pp, chunks.len(), res.grad_accum) } else { 0.0 },
         in_flight,
     }
 }
@@ -321,12 +325,13 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
         let _ = writeln!(
             s,
             "pipeline: schedule \"{}\", the first stage holds {:?} micro-batch(es) per chunk at once; bubble (idle fraction of a step) \
-             {:.1}% — gpipe and 1f1b {:.1}%, interleaved with 2 chunks {:.1}%",
+             {:.1}% — gpipe and 1f1b {:.1}%, interleaved with 2 chunks {:.1}%, zero_bubble {:.1}%",
             res.deck.parallel.pp_schedule.name(),
             p.in_flight,
             100.0 * p.bubble,
-            100.0 * bubble_fraction(pp, 1, m),
-            100.0 * bubble_fraction(pp, v.max(2), m)
+            100.0 * bubble_fraction(PpSchedule::OneFOneB, pp, 1, m),
+            100.0 * bubble_fraction(PpSchedule::Interleaved, pp, v.max(2), m),
+            100.0 * bubble_fraction(PpSchedule::ZeroBubble, pp, 1, m)
         );
     }
     let stage = if l.pp > 1 { format!("pp={} (first stage) ", l.pp) } else { String::new() };
@@ -346,7 +351,11 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
         ("activations held for backward", a.saved + a.recompute + a.head),
         ("logits", a.logits),
         ("backward buffers", a.backward),
-    ] {
+        ("weight-gradient operands (zb)", a.deferred),
+    ]
+    .into_iter()
+    .filter(|&(name, b)| b > 0 || !name.ends_with("(zb)"))
+    {
         let _ = writeln!(s, "  {name:<32} {:>12}", mib(b));
     }
     let _ = writeln!(s, "  {:<32} {:>12}", "peak (predicted)", mib(p.peak_bytes()));

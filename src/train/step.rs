@@ -14,7 +14,7 @@ use crate::data::{open_source, Loader, TokenSource};
 use crate::metrics::{Phase, PhaseTimes};
 use crate::model::hooks::{AttentionSchedule, Hooks, TensorParallel};
 use crate::model::params::Dims;
-use crate::model::{Model, Tokens};
+use crate::model::{Model, Tokens, WeightGradWork};
 use crate::optim::{clip_coefficient, lr_at};
 use crate::parallel::collective::MeshCollectives;
 use crate::parallel::mesh::Mesh;
@@ -30,6 +30,9 @@ use std::time::Instant;
 /// A micro-batch as this rank uses it: its index, this cp rank's inputs and targets, and
 /// their global positions.
 type LocalBatch = (usize, Vec<u32>, Vec<u32>, Vec<usize>);
+
+/// A pipeline chunk and a micro-batch: what a model or kept work belongs to.
+type ChunkMicro = (usize, usize);
 
 /// What one step computed.
 #[derive(Clone, Copy, Debug)]
@@ -55,7 +58,11 @@ struct Pieces<'g, B: Backend<f32>> {
     /// Models of each chunk not holding a micro-batch.
     free: Vec<Vec<Model<f32, B>>>,
     /// Models holding a micro-batch's activations, with their (chunk, micro-batch).
-    busy: Vec<((usize, usize), Model<f32, B>)>,
+    busy: Vec<(ChunkMicro, Model<f32, B>)>,
+    /// Zero bubble: the weight-gradient operands of backwards whose weight gradient is still
+    /// to come, with their (chunk, micro-batch), and spare ones.
+    deferred: Vec<(ChunkMicro, WeightGradWork<B::Buf>)>,
+    spare_work: Vec<WeightGradWork<B::Buf>>,
     /// This rank's actions in each step.
     schedule: Vec<Action>,
     comm: PipeComm<'g>,
@@ -70,6 +77,16 @@ impl<'g, B: Backend<f32> + Clone> Pieces<'g, B> {
 
     fn models(&self) -> impl Iterator<Item = &Model<f32, B>> {
         self.free.iter().flatten().chain(self.busy.iter().map(|(_, m)| m))
+    }
+
+    fn works(&self) -> impl Iterator<Item = &WeightGradWork<B::Buf>> {
+        self.spare_work.iter().chain(self.deferred.iter().map(|(_, w)| w))
+    }
+
+    /// Removes and returns the entry of `(chunk, micro)` from `list`.
+    fn take_busy<X>(list: &mut Vec<(ChunkMicro, X)>, key: ChunkMicro) -> X {
+        let k = list.iter().position(|(k, _)| *k == key).expect("the schedule runs forward, backward and weight gradient in order");
+        list.swap_remove(k).1
     }
 }
 
@@ -125,6 +142,8 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             dims: chunks.iter().map(|c| dims.stage(c.layer_ids.clone(), c.embed, c.head)).collect(),
             free: (0..v).map(|_| vec![]).collect(),
             busy: vec![],
+            deferred: vec![],
+            spare_work: vec![],
             schedule: actions(schedule, mesh.pp.size(), v, mesh.pp.rank(), res.grad_accum),
             comm: PipeComm::new(&mesh.pp, v),
             received: Default::default(),
@@ -196,9 +215,10 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
     }
 
     /// Bytes of activation memory this rank's model pieces hold (every micro-batch in flight
-    /// at the schedule's peak).
+    /// at the schedule's peak), with zero bubble's kept weight-gradient operands.
     pub fn activation_bytes(&self) -> usize {
-        self.pieces.models().map(|m| m.activation_bytes()).sum()
+        let p = &self.pieces;
+        p.models().map(|m| m.activation_bytes()).sum::<usize>() + p.works().map(|w| w.bytes(&p.be)).sum::<usize>()
     }
 
     /// Visible (query, key) pairs processed by attention since the last call.
@@ -215,7 +235,8 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let (s, mb, ga) = (self.seq_len, self.micro_batch, self.grad_accum);
         let (cp, cp_rank) = (self.mesh.cp.size(), self.mesh.cp.rank());
         let s_local = s / cp;
-        let t_wait = Instant::now();
+        let start = Instant::now();
+        let t_wait = start;
         // The global number of target tokens, reduced before any backward: the loss is the
         // global sum over the global token count, exact for any layout and accumulation.
         let mut n_tok = [(ga * mb * s_local) as f64];
@@ -233,12 +254,15 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         // Tokens of the micro-batches this rank has started, until its last action on them.
         let mut batches: Vec<LocalBatch> = vec![];
         let mut loss_sum = 0.0f64;
+        // Zero bubble splits each backward: `Backward` is the input gradient, `Weight` the rest.
+        let split = schedule.iter().any(|a| matches!(a, Action::Weight { .. }));
         for (i, &action) in schedule.iter().enumerate() {
-            let (chunk, micro, dir) = match action {
-                Action::Forward { chunk, micro } => (chunk, micro, Direction::Forward),
-                Action::Backward { chunk, micro } => (chunk, micro, Direction::Backward),
+            let (chunk, micro) = (action.chunk(), action.micro());
+            let dir = match action {
+                Action::Forward { .. } => Direction::Forward,
+                Action::Backward { .. } | Action::Weight { .. } => Direction::Backward,
             };
-            beat(|| format!("step {}: micro-step {} of {ga} ({dir:?}, chunk {chunk})", step + 1, micro + 1));
+            beat(|| format!("step {}: micro-step {} of {ga} ({action:?})", step + 1, micro + 1));
             let t0 = Instant::now();
             if !batches.iter().any(|b| b.0 == micro) {
                 let batch = self.loader.micro_batch(step, micro)?;
@@ -248,19 +272,23 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
                 batches.push((micro, inputs, targets, positions));
             }
             let c = &pieces.chunks[chunk];
-            let (from_neighbour, to_neighbour) = match dir {
-                Direction::Forward => (!c.embed, !c.head),
-                Direction::Backward => (!c.head, !c.embed),
+            let (from_neighbour, to_neighbour) = match action {
+                Action::Forward { .. } => (!c.embed, !c.head),
+                Action::Backward { .. } => (!c.head, !c.embed),
+                Action::Weight { .. } => (false, false),
             };
             // Post the next action's receive before this action computes, so it overlaps.
             if let Some(&next) = schedule.get(i + 1) {
-                let (nc, nd) = match next {
-                    Action::Forward { chunk, .. } => (chunk, Direction::Forward),
-                    Action::Backward { chunk, .. } => (chunk, Direction::Backward),
+                let nc = &pieces.chunks[next.chunk()];
+                let receives = match next {
+                    Action::Forward { .. } => Some(Direction::Forward).filter(|_| !nc.embed),
+                    Action::Backward { .. } => Some(Direction::Backward).filter(|_| !nc.head),
+                    Action::Weight { .. } => None,
                 };
-                let nchunk = &pieces.chunks[nc];
-                if (if nd == Direction::Forward { !nchunk.embed } else { !nchunk.head }) && !pieces.comm.posted(nc, nd) {
-                    pieces.comm.post_recv(nc, nd, rows);
+                if let Some(nd) = receives {
+                    if !pieces.comm.posted(next.chunk(), nd) {
+                        pieces.comm.post_recv(next.chunk(), nd, rows);
+                    }
                 }
             }
             let t1 = Instant::now();
@@ -276,8 +304,8 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             let offset = pieces.chunks[chunk].offset;
             let received_buf = std::mem::take(&mut pieces.received);
             let received = from_neighbour.then_some(&received_buf);
-            match dir {
-                Direction::Forward => {
+            match action {
+                Action::Forward { .. } => {
                     let mut model = pieces.take(chunk);
                     params.begin_micro_step();
                     loss_sum += model.forward_stage(&mut Offset { inner: params, offset }, &tok, hooks, received);
@@ -286,28 +314,48 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
                     }
                     pieces.busy.push(((chunk, micro), model));
                 }
-                Direction::Backward => {
-                    let k = pieces.busy.iter().position(|(key, _)| *key == (chunk, micro)).expect("forward before backward");
-                    let (_, mut model) = pieces.busy.swap_remove(k);
+                Action::Backward { .. } => {
+                    let mut model = Pieces::<B>::take_busy(&mut pieces.busy, (chunk, micro));
                     params.begin_backward();
                     // Each chunk's last backward completes its units' gradients for the step.
                     grads.begin_micro_step(micro + 1 == ga);
                     let (mut w, mut g) = (Offset { inner: &mut *params, offset }, Offset { inner: &mut *grads, offset });
-                    model.backward_stage(&mut w, &mut g, loss_scale, hooks, received);
+                    if split {
+                        let mut work = pieces.spare_work.pop().unwrap_or_default();
+                        model.backward_input_stage(&mut w, &mut g, loss_scale, hooks, received, &mut work);
+                        pieces.deferred.push(((chunk, micro), work));
+                    } else {
+                        model.backward_stage(&mut w, &mut g, loss_scale, hooks, received);
+                    }
                     params.end_micro_step();
                     if to_neighbour {
                         pieces.comm.send(&pieces.be, chunk, dir, model.input_grad());
                     }
                     pieces.free[chunk].push(model);
                     if chunk == 0 {
-                        // Chunk 0's backward is this rank's last action on the micro-batch.
+                        // Chunk 0's backward is this rank's last use of the micro-batch's tokens.
                         batches.retain(|b| b.0 != micro);
                     }
+                }
+                Action::Weight { .. } => {
+                    let work = Pieces::<B>::take_busy(&mut pieces.deferred, (chunk, micro));
+                    // The blocks' gradients of the micro-batch are complete only now.
+                    grads.begin_micro_step(micro + 1 == ga);
+                    work.apply(&pieces.be, &mut Offset { inner: &mut *grads, offset });
+                    pieces.spare_work.push(work);
                 }
             }
             pieces.received = received_buf;
             sync(&pieces.be)?;
             let t3 = Instant::now();
+            // RUST_LOG=debug: each action's timeline, to see the schedule run.
+            log::debug!(
+                "step {} {action:?}: starts {:.4} s into the step, waited {:.4} s, computed {:.4} s",
+                step + 1,
+                (t1 - start).as_secs_f64(),
+                (t2 - t1).as_secs_f64(),
+                (t3 - t2).as_secs_f64()
+            );
             pt[Phase::Data] += (t1 - t0).as_secs_f64();
             // Waiting for a neighbour's activation or gradient: the pipeline's bubble.
             pt[Phase::Wait] += (t2 - t1).as_secs_f64();

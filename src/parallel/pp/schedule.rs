@@ -7,6 +7,13 @@
 //! backwards: at most `pp − p` micro-batches in flight on rank `p`. Interleaved 1F1B
 //! (Megatron-LM's order) walks the chunks in groups of `pp` micro-batches, forwards chunk by
 //! chunk upwards and backwards downwards, with `2·(pp − p − 1) + (v − 1)·pp` warm-up forwards.
+//! Zero bubble (ZB-H1, Qi et al. 2024) splits each backward into `B` (the input gradient, which
+//! the previous stage waits for) and `W` (the weight gradient, which nobody waits for): a
+//! rank runs a `B` as soon as its gradient has arrived, a forward when its activation has
+//! arrived and fewer than `pp − p` micro-batches are in flight (forward run, `B` not yet), and
+//! otherwise a pending `W` (first, if `pp` of them wait) — so the weight gradients fill the
+//! idle slots 1F1B leaves; every rank idles `(pp − 1)/(3m + pp − 1)` of the step. Its order
+//! is found by running that rule on the unit costs below (every rank derives the same orders).
 //! Within one chunk every schedule runs micro-batches in increasing order, forwards and
 //! backwards alike, so messages between two ranks on one tag arrive in the order they are
 //! needed (MPI keeps that order).
@@ -16,13 +23,48 @@ use crate::config::PpSchedule;
 /// One unit of a pipeline rank's work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Action {
-    Forward { chunk: usize, micro: usize },
-    Backward { chunk: usize, micro: usize },
+    Forward {
+        chunk: usize,
+        micro: usize,
+    },
+    /// The backward: both gradients, or under zero bubble the input gradient only.
+    Backward {
+        chunk: usize,
+        micro: usize,
+    },
+    /// Zero bubble's deferred weight gradient of a micro-batch's backward.
+    Weight {
+        chunk: usize,
+        micro: usize,
+    },
 }
+
+impl Action {
+    pub fn chunk(self) -> usize {
+        match self {
+            Action::Forward { chunk, .. } | Action::Backward { chunk, .. } | Action::Weight { chunk, .. } => chunk,
+        }
+    }
+
+    pub fn micro(self) -> usize {
+        match self {
+            Action::Forward { micro, .. } | Action::Backward { micro, .. } | Action::Weight { micro, .. } => micro,
+        }
+    }
+}
+
+/// Unit costs of the schedules' model: a chunk's forward of one micro-batch costs 1, its input
+/// gradient 1 and its weight gradient 1 (a backward that computes both costs 2).
+const F: u64 = 1;
+const B_INPUT: u64 = 1;
+const W: u64 = 1;
 
 /// The actions of pipeline rank `rank` of `pp`, with `v` chunks per rank and `m` micro-batches,
 /// in the order it runs them.
 pub fn actions(schedule: PpSchedule, pp: usize, v: usize, rank: usize, m: usize) -> Vec<Action> {
+    if schedule == PpSchedule::ZeroBubble {
+        return zero_bubble(pp, m).swap_remove(rank);
+    }
     let total = m * v;
     // The k-th forward and backward of this rank, as (chunk, micro) (with one chunk: micro k).
     let forward = |k: usize| {
@@ -56,37 +98,106 @@ pub fn actions(schedule: PpSchedule, pp: usize, v: usize, rank: usize, m: usize)
     out
 }
 
-/// The fraction of a step a rank idles under `schedule` when every chunk's forward of one
-/// micro-batch costs 1 and its backward 2: `(pp − 1) / (v·m + pp − 1)` for the 1F1B family
-/// (GPipe's is the same; it keeps more micro-batches in flight instead).
-pub fn bubble_fraction(pp: usize, v: usize, m: usize) -> f64 {
-    (pp - 1) as f64 / ((v * m) as f64 + (pp - 1) as f64)
+/// Every rank's zero-bubble order (one chunk per rank): the rule of the module's comment run
+/// in unit time steps on the unit costs; ties go to `B`, then the forward, then `W` — unless
+/// `pp` weight gradients wait already, which bounds their operands' memory.
+fn zero_bubble(pp: usize, m: usize) -> Vec<Vec<Action>> {
+    let mut out = vec![vec![]; pp];
+    // Finish times of each rank's forwards and input gradients, per micro-batch.
+    let mut f_done = vec![vec![u64::MAX; m]; pp];
+    let mut b_done = vec![vec![u64::MAX; m]; pp];
+    let (mut nf, mut nb, mut nw) = (vec![0usize; pp], vec![0usize; pp], vec![0usize; pp]);
+    let mut free_at = vec![0u64; pp];
+    let mut t = 0u64;
+    while (0..pp).any(|p| nw[p] < m) {
+        for p in 0..pp {
+            if free_at[p] > t {
+                continue;
+            }
+            let arrived = |done: u64| done <= t;
+            let b_ready = nb[p] < nf[p] && arrived(if p + 1 == pp { f_done[p][nb[p]] } else { b_done[p + 1][nb[p]] });
+            let f_ready = nf[p] < m && nf[p] - nb[p] < pp - p && (p == 0 || arrived(f_done[p - 1][nf[p]]));
+            let w_due = nw[p] < nb[p] && nb[p] - nw[p] >= pp;
+            let (action, cost) = if b_ready {
+                b_done[p][nb[p]] = t + B_INPUT;
+                nb[p] += 1;
+                (Action::Backward { chunk: 0, micro: nb[p] - 1 }, B_INPUT)
+            } else if f_ready && !w_due {
+                f_done[p][nf[p]] = t + F;
+                nf[p] += 1;
+                (Action::Forward { chunk: 0, micro: nf[p] - 1 }, F)
+            } else if nw[p] < nb[p] {
+                nw[p] += 1;
+                (Action::Weight { chunk: 0, micro: nw[p] - 1 }, W)
+            } else {
+                continue;
+            };
+            out[p].push(action);
+            free_at[p] = t + cost;
+        }
+        t += 1;
+    }
+    out
+}
+
+/// The fraction of a step a rank idles under `schedule`, in the unit-cost model (forward 1,
+/// input gradient 1, weight gradient 1): `(pp − 1) / (v·m + pp − 1)` for the 1F1B family
+/// (GPipe's is the same; it keeps more micro-batches in flight instead), and for zero bubble,
+/// whose weight gradients fill all but the forward-and-input-gradient part of the ramp,
+/// `(pp − 1)(F + B − W) / (m(F + B + W) + (pp − 1)(F + B − W)) = (pp − 1) / (3m + pp − 1)`.
+pub fn bubble_fraction(schedule: PpSchedule, pp: usize, v: usize, m: usize) -> f64 {
+    let ramp = (pp - 1) as f64;
+    match schedule {
+        PpSchedule::ZeroBubble => {
+            let (f, b, w) = (F as f64, B_INPUT as f64, W as f64);
+            ramp * (f + b - w) / (m as f64 * (f + b + w) + ramp * (f + b - w))
+        }
+        _ => ramp / ((v * m) as f64 + ramp),
+    }
 }
 
 /// Micro-batches whose activations each chunk of a pipeline rank holds at once at most: the
-/// models each chunk keeps (`gpipe`: all `m`; `1f1b`: `pp − rank`).
+/// models each chunk keeps, from a micro-batch's forward to its backward (`gpipe`: all `m`;
+/// `1f1b` and `zero_bubble`: `pp − rank`).
 pub fn peak_in_flight(schedule: PpSchedule, pp: usize, v: usize, rank: usize, m: usize) -> Vec<usize> {
-    let mut held = vec![0usize; v];
+    peak_held(schedule, pp, v, rank, m, |a| match a {
+        Action::Forward { .. } => 1,
+        Action::Backward { .. } => -1,
+        Action::Weight { .. } => 0,
+    })
+}
+
+/// Zero bubble: micro-batches whose weight-gradient operands each chunk of a pipeline rank
+/// holds at once at most, from a backward's input gradient to its weight gradient (0 under
+/// the other schedules).
+pub fn peak_deferred(schedule: PpSchedule, pp: usize, v: usize, rank: usize, m: usize) -> Vec<usize> {
+    let split = schedule == PpSchedule::ZeroBubble;
+    peak_held(schedule, pp, v, rank, m, |a| match a {
+        Action::Forward { .. } => 0,
+        Action::Backward { .. } => split as i64,
+        Action::Weight { .. } => -1,
+    })
+}
+
+/// The peak per chunk of a count that each action changes by `delta`.
+fn peak_held(schedule: PpSchedule, pp: usize, v: usize, rank: usize, m: usize, delta: impl Fn(Action) -> i64) -> Vec<usize> {
+    let mut held = vec![0i64; v];
     let mut peak = vec![0usize; v];
     for a in actions(schedule, pp, v, rank, m) {
-        match a {
-            Action::Forward { chunk, .. } => {
-                held[chunk] += 1;
-                peak[chunk] = peak[chunk].max(held[chunk]);
-            }
-            Action::Backward { chunk, .. } => held[chunk] -= 1,
-        }
+        held[a.chunk()] += delta(a);
+        peak[a.chunk()] = peak[a.chunk()].max(held[a.chunk()] as usize);
     }
     peak
 }
 
 /// Runs every rank's actions against the pipeline's dependencies (a forward needs the previous
 /// stage's forward of its micro-batch, a backward the next stage's backward, the last stage's
-/// backward its own forward), forward costing 1 time unit and backward 2, each rank in its
-/// own order. Returns each rank's idle time units and the makespan; `None` if the ranks would
-/// wait for each other forever.
+/// backward its own forward, a weight gradient its own backward), with the unit costs (a
+/// backward not split costs `B + W`), each rank in its own order. Returns each rank's idle
+/// time units and the makespan; `None` if the ranks would wait for each other forever.
 pub fn simulate(schedule: PpSchedule, pp: usize, v: usize, m: usize) -> Option<(Vec<u64>, u64)> {
     let stages = pp * v;
+    let backward_cost = if schedule == PpSchedule::ZeroBubble { B_INPUT } else { B_INPUT + W };
     let lists: Vec<Vec<Action>> = (0..pp).map(|p| actions(schedule, pp, v, p, m)).collect();
     // Finish times, per virtual stage and micro-batch.
     let mut f_done = vec![vec![None::<u64>; m]; stages];
@@ -98,24 +209,24 @@ pub fn simulate(schedule: PpSchedule, pp: usize, v: usize, m: usize) -> Option<(
         let mut progressed = false;
         for p in 0..pp {
             let Some(&a) = lists[p].get(next[p]) else { continue };
+            let vs = a.chunk() * pp + p;
+            let micro = a.micro();
             let (ready, cost) = match a {
-                Action::Forward { chunk, micro } => {
-                    let vs = chunk * pp + p;
-                    (if vs == 0 { Some(0) } else { f_done[vs - 1][micro] }, 1)
-                }
-                Action::Backward { chunk, micro } => {
-                    let vs = chunk * pp + p;
+                Action::Forward { .. } => (if vs == 0 { Some(0) } else { f_done[vs - 1][micro] }, F),
+                Action::Backward { .. } => {
                     let dep = if vs + 1 == stages { f_done[vs][micro] } else { b_done[vs + 1][micro] };
-                    (dep, 2)
+                    (dep, backward_cost)
                 }
+                Action::Weight { .. } => (b_done[vs][micro], W),
             };
             let Some(ready) = ready else { continue };
             let start = clock[p].max(ready);
             clock[p] = start + cost;
             busy[p] += cost;
             match a {
-                Action::Forward { chunk, micro } => f_done[chunk * pp + p][micro] = Some(clock[p]),
-                Action::Backward { chunk, micro } => b_done[chunk * pp + p][micro] = Some(clock[p]),
+                Action::Forward { .. } => f_done[vs][micro] = Some(clock[p]),
+                Action::Backward { .. } => b_done[vs][micro] = Some(clock[p]),
+                Action::Weight { .. } => {}
             }
             next[p] += 1;
             progressed = true;
@@ -129,43 +240,39 @@ pub fn simulate(schedule: PpSchedule, pp: usize, v: usize, m: usize) -> Option<(
         }
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use PpSchedule::*;
 
-    /// Every rank runs each chunk's forward and backward of every micro-batch exactly once,
-    /// the forward first, and within a chunk in increasing micro-batch order.
+    /// Every rank runs each chunk's forward and backward (and under zero bubble its weight
+    /// gradient) of every micro-batch exactly once, the forward first, the weight gradient after
+    /// the backward, and within a chunk in increasing micro-batch order.
     #[test]
     fn every_schedule_runs_each_piece_once_in_order() {
-        for (sched, v) in [(Gpipe, 1), (OneFOneB, 1), (Interleaved, 2), (Interleaved, 3)] {
+        for (sched, v) in [(Gpipe, 1), (OneFOneB, 1), (Interleaved, 2), (Interleaved, 3), (ZeroBubble, 1)] {
             for pp in 1..=4 {
                 for m in [pp, 2 * pp, 3 * pp] {
                     for rank in 0..pp {
                         let a = actions(sched, pp, v, rank, m);
-                        assert_eq!(a.len(), 2 * m * v);
+                        let split = sched == ZeroBubble;
+                        assert_eq!(a.len(), if split { 3 } else { 2 } * m * v);
+                        let order = |chunk: usize, kind: fn(Action) -> bool| -> Vec<usize> {
+                            a.iter().filter(|x| x.chunk() == chunk && kind(**x)).map(|x| x.micro()).collect()
+                        };
                         for chunk in 0..v {
-                            let f: Vec<usize> = a
-                                .iter()
-                                .filter_map(|x| match *x {
-                                    Action::Forward { chunk: c, micro } if c == chunk => Some(micro),
-                                    _ => None,
-                                })
-                                .collect();
-                            let b: Vec<usize> = a
-                                .iter()
-                                .filter_map(|x| match *x {
-                                    Action::Backward { chunk: c, micro } if c == chunk => Some(micro),
-                                    _ => None,
-                                })
-                                .collect();
-                            assert_eq!(f, (0..m).collect::<Vec<_>>(), "{sched:?} pp {pp} v {v} m {m} rank {rank}");
-                            assert_eq!(b, (0..m).collect::<Vec<_>>(), "{sched:?} pp {pp} v {v} m {m} rank {rank}");
+                            let all: Vec<usize> = (0..m).collect();
+                            let what = format!("{sched:?} pp {pp} v {v} m {m} rank {rank}");
+                            assert_eq!(order(chunk, |x| matches!(x, Action::Forward { .. })), all, "{what}");
+                            assert_eq!(order(chunk, |x| matches!(x, Action::Backward { .. })), all, "{what}");
+                            let weights = order(chunk, |x| matches!(x, Action::Weight { .. }));
+                            assert_eq!(weights, if split { all } else { vec![] }, "{what}");
                         }
                         for (i, x) in a.iter().enumerate() {
-                            if let Action::Backward { chunk, micro } = *x {
-                                assert!(a[..i].contains(&Action::Forward { chunk, micro }));
+                            match *x {
+                                Action::Backward { chunk, micro } => assert!(a[..i].contains(&Action::Forward { chunk, micro })),
+                                Action::Weight { chunk, micro } => assert!(a[..i].contains(&Action::Backward { chunk, micro })),
+                                Action::Forward { .. } => {}
                             }
                         }
                     }
@@ -189,21 +296,26 @@ mod tests {
         assert_eq!(&a[..6], &want);
     }
 
-    /// No schedule deadlocks, and the simulated idle fraction of the ranks equals the formula
-    /// (for 1F1B and interleaved exactly on every rank; GPipe's makespan is the same).
+    /// No schedule deadlocks, and the simulated idle fraction of the first rank (every rank
+    /// under 1F1B and zero bubble) equals the formula; GPipe's makespan is 1F1B's.
     #[test]
     fn simulated_bubble_matches_the_formula() {
-        for (sched, v) in [(Gpipe, 1), (OneFOneB, 1), (Interleaved, 2), (Interleaved, 4)] {
-            for pp in 2..=4 {
-                for m in [pp, 2 * pp, 4 * pp] {
+        for (sched, v) in [(Gpipe, 1), (OneFOneB, 1), (Interleaved, 2), (Interleaved, 4), (ZeroBubble, 1)] {
+            for pp in 2..=8 {
+                for m in [pp, pp + 1, 2 * pp, 4 * pp] {
+                    if sched == Interleaved && m % pp != 0 {
+                        continue;
+                    }
                     let (idle, makespan) = simulate(sched, pp, v, m).unwrap_or_else(|| panic!("{sched:?} pp {pp} v {v} m {m} deadlocks"));
-                    // Unit forward 1, backward 2 per chunk; a chunk is 1/v of a stage.
-                    let work = (3 * m * v) as f64;
-                    let ideal = work / (work + 3.0 * (pp - 1) as f64);
-                    let measured = 1.0 - idle[0] as f64 / makespan as f64;
-                    if sched != Gpipe || v == 1 {
-                        assert!((measured - ideal).abs() < 1e-9, "{sched:?} pp {pp} v {v} m {m}: {measured} vs {ideal}");
-                        assert!((1.0 - ideal - bubble_fraction(pp, v, m)).abs() < 1e-9);
+                    let formula = bubble_fraction(sched, pp, v, m);
+                    // Under 1F1B and zero bubble every rank idles the same.
+                    let ranks = if matches!(sched, OneFOneB | ZeroBubble) { pp } else { 1 };
+                    for (rank, &idle) in idle.iter().enumerate().take(ranks) {
+                        let measured = idle as f64 / makespan as f64;
+                        assert!((measured - formula).abs() < 1e-9, "{sched:?} pp {pp} v {v} m {m} rank {rank}: {measured} vs {formula}");
+                    }
+                    if sched == ZeroBubble {
+                        assert!(formula < bubble_fraction(OneFOneB, pp, 1, m));
                     }
                 }
             }
@@ -216,5 +328,17 @@ mod tests {
         assert_eq!(peak_in_flight(OneFOneB, 4, 1, 0, 8), vec![4]);
         assert_eq!(peak_in_flight(OneFOneB, 4, 1, 3, 8), vec![1]);
         assert_eq!(peak_in_flight(OneFOneB, 1, 1, 0, 8), vec![1]);
+        // Zero bubble keeps 1F1B's bound on activations (freed by the input gradient); the
+        // weight-gradient operands wait at most pp micro-batches.
+        for pp in 2..=8 {
+            for rank in 0..pp {
+                for m in [pp, 4 * pp] {
+                    assert_eq!(peak_in_flight(ZeroBubble, pp, 1, rank, m), vec![pp - rank], "pp {pp} rank {rank} m {m}");
+                    let deferred = peak_deferred(ZeroBubble, pp, 1, rank, m)[0];
+                    assert!((1..=pp).contains(&deferred), "pp {pp} rank {rank} m {m}: {deferred}");
+                }
+            }
+            assert_eq!(peak_deferred(OneFOneB, pp, 1, 0, 8), vec![0]);
+        }
     }
 }

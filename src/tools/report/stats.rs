@@ -116,6 +116,35 @@ impl RunStats {
     pub(super) fn phase(&self, phase: &str) -> Option<&PhaseStat> {
         self.timing.phases.iter().find(|p| p.phase == phase)
     }
+
+    /// The pipeline's bubble per stage (runs with `pp > 1` whose logs have the columns): for
+    /// each stage, the seconds per step its ranks waited for a neighbour and their bubble
+    /// ([`TimingStats::rank_pp_bubble`]), means over the stage's ranks. Ranks are numbered
+    /// with `pp` slowest, so stage `p` holds ranks `p·R .. (p+1)·R`, `R = ranks / pp`.
+    pub(super) fn stage_bubbles(&self) -> Vec<StageBubble> {
+        let (pp, Some(per_rank)) = (self.layout.pp, &self.timing.rank_pp_bubble) else { return vec![] };
+        if pp < 2 {
+            return vec![];
+        }
+        let per_stage = per_rank.len() / pp;
+        per_rank
+            .chunks(per_stage)
+            .enumerate()
+            .map(|(stage, ranks)| {
+                let wait = mean(&ranks.iter().map(|r| r.0).collect::<Vec<_>>());
+                let fraction = mean(&ranks.iter().map(|r| r.1).collect::<Vec<_>>());
+                StageBubble { stage, ranks: ranks.len(), wait_s: wait, fraction }
+            })
+            .collect()
+    }
+}
+
+/// One pipeline stage's measured bubble ([`RunStats::stage_bubbles`]).
+pub(super) struct StageBubble {
+    pub(super) stage: usize,
+    pub(super) ranks: usize,
+    pub(super) wait_s: f64,
+    pub(super) fraction: f64,
 }
 
 /// The statistics of a run's per-rank timing logs, over the steady steps every rank logged.
@@ -129,6 +158,13 @@ pub(super) struct TimingStats {
     pub(super) rank_step_s: Option<Vec<f64>>,
     /// `(group.kind, bytes per step per rank)`, mean over ranks and steps; non-zero only.
     pub(super) comm_bytes: Vec<(String, f64)>,
+    /// Per rank, means over steps: the seconds it waited for a pipeline neighbour
+    /// (`pp.recv_s`) and its bubble — the fraction of the step's pipeline phase it computed
+    /// nothing, `1 − busy / T` with `busy = data_s + forward_s + backward_s` and `T` the
+    /// phase's length, the largest `busy + pp.recv_s` over the ranks (the ranks start each step
+    /// together; one that finishes early waits for the others in the next collective) — if the
+    /// logs have those columns.
+    pub(super) rank_pp_bubble: Option<Vec<(f64, f64)>>,
     pub(super) peak_rss_bytes: Option<u64>,
 }
 
@@ -176,6 +212,25 @@ impl TimingStats {
                 comm_bytes.push((collective.to_string(), per_rank));
             }
         }
+        let pipeline_columns = ["pp.recv_s", "data_s", "forward_s", "backward_s"];
+        let rank_pp_bubble = if pipeline_columns.iter().all(|c| first.index_of(c).is_some()) {
+            let [wait, data, fwd, bwd] = pipeline_columns.map(series);
+            let (wait, data, fwd, bwd) = (wait?, data?, fwd?, bwd?);
+            let busy = |r: usize, i: usize| data[r][i] + fwd[r][i] + bwd[r][i];
+            let phase: Vec<f64> =
+                (0..window.len()).map(|i| (0..ranks.len()).map(|r| busy(r, i) + wait[r][i]).fold(0.0, f64::max)).collect();
+            Some(
+                (0..ranks.len())
+                    .map(|r| {
+                        let idle: Vec<f64> =
+                            (0..window.len()).map(|i| if phase[i] > 0.0 { 1.0 - busy(r, i) / phase[i] } else { 0.0 }).collect();
+                        (mean(&wait[r]), mean(&idle))
+                    })
+                    .collect(),
+            )
+        } else {
+            None
+        };
         let peak_rss_bytes = match first.index_of("peak_rss_bytes") {
             Some(_) => {
                 let all = ranks.iter().map(|t| t.column("peak_rss_bytes")).collect::<Result<Vec<_>, _>>()?;
@@ -183,7 +238,7 @@ impl TimingStats {
             }
             None => None,
         };
-        Ok(TimingStats { steps: window.len(), phases: phase_stats, rank_phase_s, rank_step_s, comm_bytes, peak_rss_bytes })
+        Ok(TimingStats { steps: window.len(), phases: phase_stats, rank_phase_s, rank_step_s, comm_bytes, rank_pp_bubble, peak_rss_bytes })
     }
 }
 

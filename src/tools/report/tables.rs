@@ -40,6 +40,7 @@ pub(super) fn summary_markdown(runs: &[RunStats], scaling: Option<&Scaling>) -> 
     md += &runs_markdown(runs);
     md += &phases_markdown(runs);
     md += &comm_markdown(runs);
+    md += &pipeline_markdown(runs);
     if let Some(s) = scaling {
         md += &scaling_markdown(s);
     }
@@ -55,7 +56,7 @@ fn runs_markdown(runs: &[RunStats]) -> String {
         "run",
         "dir",
         "ranks",
-        "layout (dp_replicate×dp_shard×cp×tp)",
+        "layout (pp×dp_replicate×dp_shard×cp×tp)",
         "steps",
         "global batch",
         "tokens/step",
@@ -72,7 +73,7 @@ fn runs_markdown(runs: &[RunStats]) -> String {
             r.name.clone(),
             format!("`{}`", r.dir),
             r.ranks.to_string(),
-            format!("{}×{}×{}×{}", l.dp_replicate, l.dp_shard, l.cp, l.tp),
+            format!("{}×{}×{}×{}×{}", l.pp, l.dp_replicate, l.dp_shard, l.cp, l.tp),
             r.steps.to_string(),
             r.global_batch.to_string(),
             r.tokens_per_step.to_string(),
@@ -119,6 +120,32 @@ fn comm_markdown(runs: &[RunStats]) -> String {
     for r in runs {
         for (c, b) in &r.timing.comm_bytes {
             md += &md_row(&[r.name.clone(), c.clone(), format!("{}", b.round()), fmt_bytes(*b)]);
+        }
+    }
+    md + "\n"
+}
+
+/// The bubble per pipeline stage of every run with a pipeline (nothing without one).
+fn pipeline_markdown(runs: &[RunStats]) -> String {
+    let rows: Vec<(&RunStats, Vec<_>)> = runs.iter().map(|r| (r, r.stage_bubbles())).filter(|(_, b)| !b.is_empty()).collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut md = String::from("## Pipeline bubble\n\n");
+    md += "Per stage, mean over its ranks and the steady steps: the seconds a rank waited for a neighbour's activation or ";
+    md += "gradient (`pp.recv_s`), and the bubble, the fraction of the step's pipeline phase in which the rank computed nothing: ";
+    md += "`1 − busy / T`, `busy = data_s + forward_s + backward_s`, `T` the largest `busy + pp.recv_s` over the ranks. ";
+    md += "Compare with the schedule's bubble that `ndtrain plan` prints.\n\n";
+    md += &md_header(&["run", "stage", "ranks", "wait (s/step)", "bubble"]);
+    for (r, stages) in rows {
+        for b in stages {
+            md += &md_row(&[
+                r.name.clone(),
+                b.stage.to_string(),
+                b.ranks.to_string(),
+                fmt_num(b.wait_s),
+                format!("{:.1}%", 100.0 * b.fraction),
+            ]);
         }
     }
     md + "\n"
@@ -173,6 +200,7 @@ pub(super) fn summary_csv(runs: &[RunStats]) -> String {
         "run",
         "dir",
         "ranks",
+        "pp",
         "dp_replicate",
         "dp_shard",
         "cp",
@@ -200,7 +228,8 @@ pub(super) fn summary_csv(runs: &[RunStats]) -> String {
         let l = r.layout;
         let mut row: Vec<String> = vec![csv_field(&r.name), csv_field(&r.dir)];
         row.extend(
-            [r.ranks, l.dp_replicate, l.dp_shard, l.cp, l.tp, r.steps, r.global_batch, r.seq_len, r.tokens_per_step].map(|v| v.to_string()),
+            [r.ranks, l.pp, l.dp_replicate, l.dp_shard, l.cp, l.tp, r.steps, r.global_batch, r.seq_len, r.tokens_per_step]
+                .map(|v| v.to_string()),
         );
         row.extend([r.median_step_s, r.tokens_per_s, r.tokens_per_s_per_rank(), r.final_loss, r.mfu].map(csv_num));
         for p in PHASES {
