@@ -1,7 +1,8 @@
 //! Pipeline parallelism against one rank, through the real binary under `mpirun`: every
-//! schedule (zero bubble included) on 2 and 4 stages, the interleaved schedule, the pipeline composed with FSDP, TP
-//! with SP, CP and HSDP (8 ranks included), tied embeddings, and checkpoints written on one
-//! pipeline layout and resumed on others.
+//! schedule (zero bubble included) on 2 and 4 stages, the interleaved schedule, the pipeline
+//! composed with FSDP, TP with SP, CP and HSDP (8 ranks included), tied embeddings, checkpoints
+//! written on one pipeline layout and resumed on others, and the non-finite policy and
+//! preemption under a pipeline.
 
 mod common;
 
@@ -170,4 +171,72 @@ fn interleaved_on_four_ranks_matches_one_rank() {
     assert_bitwise("pp4_v2", &ckpt(d, "one", 6), &ckpt(d, "pp4_v2", 6));
     let owned: Vec<String> = SETS.iter().chain(layout.iter()).map(|s| s.to_string()).collect();
     assert_bytes_match_formula(d, "pp4_v2", &ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap(), 4);
+}
+
+/// The run's policies under a pipeline (zero bubble, whose weight gradients come last): a NaN
+/// injected into a gradient only the last stage holds is skipped by `on_nonfinite = "skip"`
+/// (that step's norm is NaN, every other finite, the run goes on); SIGTERM to every rank mid-run
+/// writes a checkpoint at a step boundary and exits 75, and `resume = "auto"` finishes it with
+/// the losses of a run never stopped, bit for bit.
+#[test]
+fn nonfinite_policy_and_preemption_hold_under_a_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pipeline = ["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\""];
+    let nan = ("NDTRAIN_DEBUG_NAN_GRAD", "step=2,rank=1,tensor=model.layers.3.mlp.up_proj.weight");
+    let mut skip = pipeline.to_vec();
+    skip.push("optim.on_nonfinite=\"skip\"");
+    let out = d.join("skip");
+    let o = launch(&out, &skip).env(nan.0, nan.1).output().unwrap();
+    assert!(o.status.success() && text(&o).contains("update skipped"), "{}", text(&o));
+    let norms = column(&out, "grad_norm");
+    assert!(norms.len() == 6 && norms[1].is_nan() && norms.iter().enumerate().all(|(i, x)| i == 1 || x.is_finite()), "{norms:?}");
+
+    let mut long = pipeline.to_vec();
+    long.extend(["run.steps=60", "checkpoint.every=60"]);
+    let (straight, _) = train(d, "straight", 2, &long);
+    let out = d.join("stopped");
+    // 100 ms per step: the signal lands mid-run however fast the steps are.
+    let child = launch(&out, &long)
+        .env(ndtrain::run::faults::STEP_DELAY_ENV, "100")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while column_len(&out) < 3 {
+        assert!(start.elapsed().as_secs() < 60, "the run never logged 3 steps");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let ranks = children(child.id());
+    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
+    for pid in ranks {
+        assert!(std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
+    }
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(ndtrain::exit::PREEMPTED), "{}", text(&o));
+    let stopped_at = losses(&out).0.len();
+    assert!(stopped_at < 60 && text(&o).contains(&format!("checkpoint of step {stopped_at} written")), "{}", text(&o));
+    let mut resume = long.to_vec();
+    resume.push("checkpoint.resume=\"auto\"");
+    let (resumed, _) = train(d, "stopped", 2, &resume);
+    assert_eq!(resumed, straight, "losses of the stopped-and-resumed run");
+    assert_bitwise("stopped", &ckpt(d, "straight", 60), &ckpt(d, "stopped", 60));
+}
+
+/// `mpirun -n 2 ndtrain train` of the tiny deck with `SETS` and `extra`, writing to `out`; not
+/// started.
+fn launch(out: &Path, extra: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new("mpirun");
+    mpi_env(&mut cmd).args(["--oversubscribe", "-n", "2", bin(), "train"]).arg(tiny_deck());
+    cmd.arg("--set").arg(format!("run.out_dir=\"{}\"", out.display()));
+    for s in SETS.iter().chain(extra) {
+        cmd.args(["--set", s]);
+    }
+    cmd
+}
+
+/// Rows of `metrics.csv` so far.
+fn column_len(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.csv")).map(|s| s.lines().count().saturating_sub(1)).unwrap_or(0)
 }
