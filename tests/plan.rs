@@ -31,7 +31,11 @@ const MODEL: &[&str] = &[
 const PEAK_TOL: f64 = 0.10;
 
 fn timing_last_row(out: &std::path::Path) -> std::collections::BTreeMap<String, f64> {
-    let csv = std::fs::read_to_string(out.join("timing/rank_00000.csv")).unwrap();
+    timing_last_row_of(out, 0)
+}
+
+fn timing_last_row_of(out: &std::path::Path, rank: usize) -> std::collections::BTreeMap<String, f64> {
+    let csv = std::fs::read_to_string(out.join(format!("timing/rank_{rank:05}.csv"))).unwrap();
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
     let last: Vec<f64> = lines.last().unwrap().split(',').map(|v| v.parse().unwrap()).collect();
@@ -74,6 +78,14 @@ fn the_plan_matches_the_measured_bytes_and_memory() {
             ("activation_bytes", p.activations.activations()),
         ] {
             assert_eq!(row[col] as usize, want, "{name}: {col}");
+        }
+        // With a pipeline, rank 0 of every stage holds what its stage's plan says.
+        let per_stage = *ranks / p.layout.pp;
+        for st in p.stages.iter().skip(1) {
+            let row = timing_last_row_of(&dir.path().join(name), st.stage * per_stage);
+            for (col, want) in [("param_bytes", st.state.params), ("activation_bytes", st.activations.activations())] {
+                assert_eq!(row[col] as usize, want, "{name}: stage {}: {col}", st.stage);
+            }
         }
         let grown = row["peak_rss_bytes"] - row["rss_start_bytes"];
         let predicted = p.peak_bytes() as f64;
@@ -130,6 +142,10 @@ fn the_llama3_405b_layouts_plan_and_fit() {
         let p = ndtrain::tools::plan::plan(&res);
         assert!((p.peak_bytes() as f64) < d.hardware.memory_per_rank, "{sets:?}: {} bytes", p.peak_bytes());
         assert_eq!(p.in_flight, vec![16]);
+        // Under 1F1B the first stage holds the most: it is the largest peak of the 16 stages.
+        assert_eq!(p.stages.len(), 16);
+        assert_eq!(p.max_peak_bytes(), p.peak_bytes(), "{sets:?}");
+        assert_eq!(p.stages.iter().map(|s| s.in_flight[0]).collect::<Vec<_>>(), (1..=16).rev().collect::<Vec<_>>());
         assert_eq!(p.comm["pp.send"], 16 * 8192 / 8 * 16384 * 4, "{sets:?}");
         assert!((p.bubble - 15.0 / 31.0).abs() < 1e-12);
     }

@@ -47,6 +47,30 @@ pub struct RankPlan {
     pub bubble: f64,
     /// Micro-batches whose activations the first stage holds at once (each of its chunks').
     pub in_flight: Vec<usize>,
+    /// With a pipeline, rank 0 of every stage (the first is this plan); empty without one.
+    pub stages: Vec<StagePlan>,
+}
+
+/// What rank 0 of one pipeline stage holds: its blocks and memory.
+#[derive(Clone, Debug)]
+pub struct StagePlan {
+    pub stage: usize,
+    /// Global block indices, per chunk.
+    pub blocks: Vec<Vec<usize>>,
+    pub embed: bool,
+    pub head: bool,
+    /// Micro-batches whose activations each chunk holds at once.
+    pub in_flight: Vec<usize>,
+    pub state: StateMemory,
+    /// With the deck's activation checkpointing.
+    pub activations: ActivationMemory,
+}
+
+impl StagePlan {
+    /// As [`RankPlan::peak_bytes`].
+    pub fn peak_bytes(&self) -> usize {
+        self.state.total() + self.activations.total()
+    }
 }
 
 impl RankPlan {
@@ -55,17 +79,46 @@ impl RankPlan {
     pub fn peak_bytes(&self) -> usize {
         self.state.total() + self.activations.total()
     }
+
+    /// The largest [`Self::peak_bytes`] of any pipeline stage (the first stage's without a
+    /// pipeline): what must fit in a rank's memory.
+    pub fn max_peak_bytes(&self) -> usize {
+        self.stages.iter().map(StagePlan::peak_bytes).max().unwrap_or(0).max(self.peak_bytes())
+    }
 }
 
-/// The plan of one resolved deck.
+/// The plan of one resolved deck: rank 0's, with every pipeline stage's memory.
 pub fn plan(res: &Resolved) -> RankPlan {
+    let mut first = stage_plan(res, 0);
+    if res.layout.pp > 1 {
+        first.stages = (0..res.layout.pp)
+            .map(|stage| {
+                let p = if stage == 0 { first.clone() } else { stage_plan(res, stage) };
+                let (_, chunks) = stage_pieces(res, stage);
+                StagePlan {
+                    stage,
+                    blocks: chunks.iter().map(|c| c.layer_ids.clone()).collect(),
+                    embed: chunks.iter().any(|c| c.embed),
+                    head: chunks.iter().any(|c| c.head),
+                    in_flight: p.in_flight.clone(),
+                    state: p.state,
+                    activations: p.activations,
+                }
+            })
+            .collect();
+    }
+    first
+}
+
+/// The plan of rank 0 of pipeline stage `stage` (tp rank 0, fsdp rank 0); its `stages` empty.
+fn stage_plan(res: &Resolved, stage: usize) -> RankPlan {
     let deck = &res.deck;
     let l = res.layout;
-    let (dims, chunks) = first_stage(res);
+    let (dims, chunks) = stage_pieces(res, stage);
     let shards = ShardPlan::new(&dims, l.fsdp(), 0);
     let p = &deck.parallel;
-    let in_flight = peak_in_flight(schedule_of(res), l.pp, chunks.len(), 0, res.grad_accum);
-    let deferred = peak_deferred(schedule_of(res), l.pp, chunks.len(), 0, res.grad_accum);
+    let in_flight = peak_in_flight(schedule_of(res), l.pp, chunks.len(), stage, res.grad_accum);
+    let deferred = peak_deferred(schedule_of(res), l.pp, chunks.len(), stage, res.grad_accum);
     let state = predicted_memory(&shards, l.dp_replicate, p.reshard_after_forward, p.overlap);
     let s_local = deck.train.seq_len / l.cp;
     let mb = deck.train.micro_batch;
@@ -102,20 +155,21 @@ pub fn plan(res: &Resolved) -> RankPlan {
         unit_bytes: 4 * shards.max_gathered_len(),
         bubble: if l.pp > 1 { bubble_fraction(schedule_of(res), l.pp, chunks.len(), res.grad_accum) } else { 0.0 },
         in_flight,
+        stages: vec![],
     }
 }
 
 /// Bytes per optimiser step of every collective of one rank (rank 0), keyed `group.kind`.
 pub fn predicted_comm_bytes(res: &Resolved) -> BTreeMap<String, u64> {
-    let (dims, _) = first_stage(res);
+    let (dims, _) = stage_pieces(res, 0);
     comm_bytes(res, &dims, &ShardPlan::new(&dims, res.layout.fsdp(), 0))
 }
 
-/// Rank 0's tensors (its tp piece of the first pipeline stage: every block without a
-/// pipeline) and its chunks.
-fn first_stage(res: &Resolved) -> (Dims, Vec<Chunk>) {
+/// The tensors of rank 0 of pipeline stage `stage` (its tp piece of the stage's chunks: every
+/// block without a pipeline) and its chunks.
+fn stage_pieces(res: &Resolved, stage: usize) -> (Dims, Vec<Chunk>) {
     let whole = Dims::new(&res.deck.model, res.layout.tp, 0);
-    let chunks = chunks(&res.stage_layers, res.layout.pp, 0);
+    let chunks = chunks(&res.stage_layers, res.layout.pp, stage);
     (rank_dims(&whole, &chunks), chunks)
 }
 
@@ -275,7 +329,7 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
         step_s,
         bubble,
         tokens_per_s: p.tokens_per_step as f64 / step_s.max(1e-12),
-        fits: (hw.memory_per_rank > 0.0).then(|| (p.peak_bytes() as f64) <= hw.memory_per_rank),
+        fits: (hw.memory_per_rank > 0.0).then(|| (p.max_peak_bytes() as f64) <= hw.memory_per_rank),
         tp_in_node: l.tp <= per_node,
     }
 }
@@ -367,8 +421,35 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
         mib(p.activations_full.total()),
         ckpt.name()
     );
+    if !p.stages.is_empty() {
+        let _ = writeln!(s, "\n{place} of rank 0 of each pipeline stage, MiB:");
+        let _ = writeln!(s, "  {:>5} {:>12} {:>10} {:>9} {:>12} {:>12} {:>12}", "stage", "blocks", "ends", "in flight", "model state", "activations", "peak");
+        for st in &p.stages {
+            let blocks: Vec<String> = st.blocks.iter().map(|b| format!("{}-{}", b[0], b[b.len() - 1])).collect();
+            let ends = match (st.embed, st.head) {
+                (true, true) => "embed+head",
+                (true, false) => "embed",
+                (false, true) => "head",
+                (false, false) => "",
+            };
+            let in_flight: Vec<String> = st.in_flight.iter().map(|k| k.to_string()).collect();
+            let _ = writeln!(
+                s,
+                "  {:>5} {:>12} {:>10} {:>9} {:>12} {:>12} {:>12}",
+                st.stage,
+                blocks.join(","),
+                ends,
+                in_flight.join(","),
+                mib(st.state.total()),
+                mib(st.activations.total()),
+                mib(st.peak_bytes())
+            );
+        }
+        let worst = p.stages.iter().max_by_key(|st| st.peak_bytes()).expect("pp > 1 stages");
+        let _ = writeln!(s, "  largest peak: stage {}, {} MiB", worst.stage, mib(worst.peak_bytes()));
+    }
     if hw.memory_per_rank > 0.0 {
-        let fits = p.peak_bytes() as f64 <= hw.memory_per_rank;
+        let fits = p.max_peak_bytes() as f64 <= hw.memory_per_rank;
         let _ = writeln!(
             s,
             "  {} [hardware] memory_per_rank = {}",
@@ -442,7 +523,7 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
             l.cp,
             l.tp,
             p.grad_accum,
-            fmt_bytes(p.peak_bytes() as f64),
+            fmt_bytes(p.max_peak_bytes() as f64),
             c.compute_s,
             g("fsdp"),
             g("tp"),
