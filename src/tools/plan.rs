@@ -423,7 +423,11 @@ pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
     );
     if !p.stages.is_empty() {
         let _ = writeln!(s, "\n{place} of rank 0 of each pipeline stage, MiB:");
-        let _ = writeln!(s, "  {:>5} {:>12} {:>10} {:>9} {:>12} {:>12} {:>12}", "stage", "blocks", "ends", "in flight", "model state", "activations", "peak");
+        let _ = writeln!(
+            s,
+            "  {:>5} {:>12} {:>10} {:>9} {:>12} {:>12} {:>12}",
+            "stage", "blocks", "ends", "in flight", "model state", "activations", "peak"
+        );
         for st in &p.stages {
             let blocks: Vec<String> = st.blocks.iter().map(|b| format!("{}-{}", b[0], b[b.len() - 1])).collect();
             let ends = match (st.embed, st.head) {
