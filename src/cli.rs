@@ -384,41 +384,36 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
     let rt = Runtime::init();
     let world = rt.world();
     set_root(world.rank() == 0);
-    let res = match Deck::from_file(&deck_path, &set).and_then(|d| d.resolve(world.size())) {
-        Ok(r) => r,
-        Err(e) => {
-            // Every rank parsed the same deck: all fail here, none is in a collective.
-            report_error(&e);
+    // Each rank parses the deck itself; a rank that cannot read it (a path one node does not
+    // see) must not leave the others waiting, so the verdict is agreed like the checks below.
+    let parsed = Deck::from_file(&deck_path, &set).and_then(|d| d.resolve(world.size()));
+    let cuda_missing = matches!(&parsed, Ok(r) if r.deck.run.device == Device::Cuda && !cfg!(feature = "cuda"));
+    let verdict = match &parsed {
+        Err(e) => Err(e.to_string()),
+        Ok(_) if cuda_missing => Err("[run] device = \"cuda\", but this ndtrain was built without the `cuda` feature: \
+                                      rebuild with `cargo build --release --features cuda`"
+            .to_string()),
+        Ok(_) => Ok(()),
+    };
+    let res = match (bad_input_agreed(&world, verdict), parsed) {
+        (false, Ok(r)) => r,
+        _ => {
             drop(world);
             rt.finalize_and_exit(EXIT_BAD_INPUT);
         }
     };
-    if res.deck.run.device == Device::Cuda && !cfg!(feature = "cuda") {
-        report_error(&"[run] device = \"cuda\", but this ndtrain was built without the `cuda` feature: rebuild with `cargo build --release --features cuda`");
-        drop(world);
-        rt.finalize_and_exit(EXIT_BAD_INPUT);
-    }
     let out_dir = res.deck.run.out_dir();
     // The checks every rank can make before the first collective of training (output folders,
     // data, checkpoint, init_from): if any rank fails one, every rank stops here with code 2.
     let verdict = crate::run::preflight::check(&res, world.rank(), &out_dir);
-    let failed = world.count_true(verdict.is_err());
-    if failed > 0 {
-        if let Err(e) = verdict {
-            // Ranks that disagree (a file one node cannot see) say which of them failed.
-            report_error(&if failed < world.size() { format!("rank {}: {e}", world.rank()) } else { e });
-        }
+    if bad_input_agreed(&world, verdict) {
         drop(world);
         rt.finalize_and_exit(EXIT_BAD_INPUT);
     }
     let mesh = Mesh::new(world, res.layout);
     // What only the job's devices can tell (NCCL needs a GPU per rank): bad input, agreed.
     let verdict = device_checks(&res, &mesh);
-    let failed = mesh.world.count_true(verdict.is_err());
-    if failed > 0 {
-        if let Err(e) = verdict {
-            report_error(&if failed < mesh.world.size() { format!("rank {}: {e}", mesh.world.rank()) } else { e });
-        }
+    if bad_input_agreed(&mesh.world, verdict) {
         drop(mesh);
         rt.finalize_and_exit(EXIT_BAD_INPUT);
     }
@@ -554,6 +549,35 @@ fn train_on_gpu(_: &Resolved, _: &Mesh, _: &Path) -> Result<RunSummary, Error> {
 
 /// Prints `error: MESSAGE` as one write, so the lines of several ranks never interleave.
 /// Control characters a message may carry from its input (a NUL in a path) are escaped.
+/// Bad input each rank found on its own, agreed by the world: true when any rank failed (then
+/// every rank exits with code 2). Each reason is said once: when every rank failed with the
+/// same text only rank 0 prints it; otherwise each failing rank prints its own, prefixed with
+/// its rank (a file one node cannot see). Every rank takes part, so none is left waiting.
+fn bad_input_agreed(world: &comm::Group, verdict: Result<(), String>) -> bool {
+    use std::hash::{Hash, Hasher};
+    let failed = world.count_true(verdict.is_err());
+    if failed == 0 {
+        return false;
+    }
+    // `DefaultHasher::new()` has fixed keys: the same text hashes alike on every rank.
+    let hash = verdict.as_ref().err().map_or(0, |e| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        e.hash(&mut h);
+        h.finish()
+    });
+    let mut extremes = [hash, u64::MAX - hash];
+    world.agree_max_u64(&mut extremes);
+    let agreed = failed == world.size() && extremes[0] == u64::MAX - extremes[1];
+    if let Err(e) = verdict {
+        if !agreed {
+            report_error(&format!("rank {}: {e}", world.rank()));
+        } else if world.rank() == 0 {
+            report_error(&e);
+        }
+    }
+    true
+}
+
 fn report_error(e: &dyn std::fmt::Display) {
     use std::io::Write;
     let text: String =

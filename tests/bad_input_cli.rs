@@ -83,11 +83,45 @@ fn bad_deck_fails_on_every_rank_under_mpirun() {
     let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
     assert_clean_failure("mpirun bad deck", &o, timed_out, "n_kv_heads");
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(stderr.matches("error:").count(), 2, "both ranks report\n{}", text(&o));
+    // Both ranks found it; said once, by rank 0, without a rank prefix.
+    assert_eq!(stderr.matches("error:").count(), 1, "said once\n{}", text(&o));
+    assert!(!stderr.contains("error: rank "), "{}", text(&o));
+}
+
+/// A deck only some ranks can read (here: a path that exists for rank 0 only, as on a node
+/// that does not mount the file system) stops every rank with code 2, the failing rank naming
+/// itself; nobody waits.
+#[test]
+fn a_deck_one_rank_cannot_read_stops_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let deck = dir.path().join("deck.toml");
+    std::fs::copy(tiny_deck(), &deck).unwrap();
+    let script = dir.path().join("only_rank0.sh");
+    // Rank 1 is handed a path that does not exist.
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nif [ \"${{OMPI_COMM_WORLD_RANK:-$PMI_RANK}}\" = 0 ]; then exec {} train {}; else exec {} train {}.missing; fi\n",
+            bin(),
+            deck.display(),
+            bin(),
+            deck.display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new("mpirun");
+    mpi_env(&mut cmd).args(["--oversubscribe", "-n", "2", "sh"]).arg(&script);
+    let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
+    assert_clean_failure("deck rank 1 cannot read", &o, timed_out, "cannot read deck");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let reports: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(reports.len(), 1, "{}", text(&o));
+    assert!(reports[0].starts_with("error: rank 1: cannot read deck"), "{}", text(&o));
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
 
 /// A data file that does not exist is found by every rank's preflight check, before the mesh
-/// is built: every rank reports it and exits with code 2; nothing is left waiting.
+/// is built: every rank finds it and exits with code 2 (said once); nothing is left waiting.
 #[test]
 fn a_missing_data_file_stops_every_rank_before_training() {
     let deck = tiny_deck();
@@ -102,12 +136,12 @@ fn a_missing_data_file_stops_every_rank_before_training() {
         .args(["--set", &format!("run.out_dir=\"{}\"", dir.path().join("out").display())]);
     let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
     assert_clean_failure("missing data file", &o, timed_out, "missing.bin");
-    assert_eq!(String::from_utf8_lossy(&o.stderr).matches("error:").count(), 2, "both ranks report\n{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stderr).matches("error:").count(), 1, "said once\n{}", text(&o));
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
 
-/// Mesh errors are found on every rank before any communication: each rank prints the
-/// degrees and the world size, every rank exits non-zero, nothing hangs.
+/// Mesh errors are found on every rank before any communication: the degrees and the world
+/// size said once, every rank exits non-zero, nothing hangs.
 #[test]
 fn mesh_errors_fail_on_every_rank() {
     let cases: &[(&str, usize, &[&str], &str)] = &[
@@ -127,7 +161,7 @@ fn mesh_errors_fail_on_every_rank() {
         let (o, timed_out) = output_within(&mut cmd, FAIL_FAST_SECS);
         assert_clean_failure(name, &o, timed_out, want);
         let stderr = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(stderr.matches("error:").count(), *ranks, "{name}: every rank reports\n{}", text(&o));
+        assert_eq!(stderr.matches("error:").count(), 1, "{name}: every rank found it, rank 0 says it\n{}", text(&o));
     }
 }
 
@@ -151,7 +185,7 @@ struct BadInput {
 }
 
 enum Found {
-    /// Every rank finds it (the deck, a file every rank reads): each prints it.
+    /// Every rank finds it (the deck, a file every rank reads): rank 0 alone says it, once.
     EveryRank,
     /// Only this rank finds it (a bad token in its own first samples): it alone prints it,
     /// naming itself.
@@ -515,7 +549,10 @@ fn run_bad_input(c: &BadInput) {
     let stderr = String::from_utf8_lossy(&o.stderr);
     let reports: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
     match c.found {
-        EveryRank => assert_eq!(reports.len(), 2, "{}: both ranks report\n{}", c.name, text(&o)),
+        EveryRank => {
+            assert_eq!(reports.len(), 1, "{}: both ranks found it, said once\n{}", c.name, text(&o));
+            assert!(!reports[0].starts_with("error: rank "), "{}: no rank prefix: {}", c.name, reports[0]);
+        }
         OnlyRank(r) => {
             assert_eq!(reports.len(), 1, "{}: only rank {r} reports\n{}", c.name, text(&o));
             assert!(reports[0].starts_with(&format!("error: rank {r}: ")), "{}: names rank {r}: {}", c.name, reports[0]);

@@ -421,3 +421,38 @@ fn an_incompatible_or_missing_checkpoint_is_a_clear_error() {
         assert!(text(&o).contains(want), "expected '{want}' in:\n{}", text(&o));
     }
 }
+
+/// After a resume the ETA comes from this job's own pace: resumed at step 10 of 30 with every
+/// step slowed to 150 ms, the ETA printed at step 14 is within 20 % of the time the remaining
+/// 16 steps then take (measured by `metrics.csv`'s `elapsed_s`). Dividing by the absolute step
+/// would predict a third of it.
+#[test]
+fn the_eta_after_a_resume_follows_this_jobs_pace() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let out = d.join("run");
+    let run = |steps: &str, resume: bool| {
+        let mut cmd = Command::new(bin());
+        mpi_env(&mut cmd).arg("train").arg(tiny_deck()).env(ndtrain::run::faults::STEP_DELAY_ENV, "150");
+        for s in ["run.threads=1", "optim.warmup_steps=2", "checkpoint.every=10", "log.every=1", steps] {
+            cmd.args(["--set", s]);
+        }
+        cmd.arg("--set").arg(format!("run.out_dir=\"{}\"", out.display()));
+        if resume {
+            cmd.args(["--set", "checkpoint.resume=\"auto\""]);
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    run("run.steps=10", false);
+    let console = run("run.steps=30", true);
+    let line =
+        console.lines().find(|l| l.split_whitespace().next() == Some("14")).unwrap_or_else(|| panic!("no line for step 14:\n{console}"));
+    let eta: f64 = line.split_whitespace().last().unwrap().trim_end_matches('s').parse().unwrap_or_else(|_| panic!("{line}"));
+    let elapsed = column(&out, "elapsed_s");
+    // metrics.csv holds steps 1..=30 (the first job's rows kept, the second's appended).
+    assert_eq!(elapsed.len(), 30);
+    let actual = elapsed[29] - elapsed[13];
+    assert!((eta - actual).abs() <= 0.2 * actual, "ETA at step 14: {eta} s, the remaining 16 steps took {actual} s\n{line}");
+}

@@ -146,12 +146,6 @@ const BAD: &[Bad] = &[
     bad_set("eps zero", &["optim.eps=0"], 1, &["m:[optim] eps must be a finite number > 0"]),
     bad_set("negative weight_decay", &["optim.weight_decay=-0.1"], 1, &["m:[optim] weight_decay must be a finite number ≥ 0"]),
     bad_set("negative grad_clip", &["optim.grad_clip=-1"], 1, &["m:[optim] grad_clip must be a finite number ≥ 0"]),
-    bad_set(
-        "warmup > steps",
-        &["run.steps=10", "optim.warmup_steps=100"],
-        1,
-        &["m:[optim] warmup_steps(100) exceeds [run] steps(10)", "h:--set optim.warmup_steps=1"],
-    ),
     bad_set("lr_scaling without base_batch", &["optim.lr_scaling=sqrt"], 1, &["m:lr_scaling = \"sqrt\" needs base_batch > 0"]),
     // [data], [log], [hardware].
     bad_set("hdf5 without path", &["data.source=hdf5"], 1, &["m:[data] source = \"hdf5\" needs a path", "h:--set data.path="]),
@@ -226,6 +220,26 @@ fn from_file_names_the_file() {
     assert!(e.message.starts_with(&format!("{}: unknown key [model] n_head", path.display())), "{e}");
     let e = Deck::from_file(&dir.path().join("absent.toml"), &[]).unwrap_err();
     assert!(e.message.contains("cannot read deck"), "{e}");
+    // An empty deck (or one of comments only) is refused, not trained on the defaults.
+    for text in ["", "\n# nothing yet\n"] {
+        std::fs::write(&path, text).unwrap();
+        let e = Deck::from_file(&path, &[]).unwrap_err();
+        assert_eq!(e.message, format!("{}: the deck is empty ({} bytes, no keys)", path.display(), text.len()));
+        assert!(e.hint.as_deref().unwrap_or("").contains("check the path"), "{e:?}");
+    }
+}
+
+/// A warm-up longer than the run is a warning, not an error: `--set run.steps=5` smoke-tests
+/// any deck.
+#[test]
+fn a_warm_up_beyond_the_run_is_a_warning() {
+    let r = resolve("", &["run.steps=10", "optim.warmup_steps=100", "optim.lr=1e-3"], 1).unwrap();
+    let warning = r.summary.iter().find(|l| l.starts_with("warning:")).expect("a warning line");
+    assert_eq!(
+        warning,
+        "warning: [optim] warmup_steps(100) exceeds [run] steps(10): the run ends inside the warm-up, at 1.000e-4 = 10/100 of the peak LR"
+    );
+    assert!(resolve("", &["run.steps=10", "optim.warmup_steps=10"], 1).unwrap().summary.iter().all(|l| !l.starts_with("warning:")));
 }
 
 #[test]

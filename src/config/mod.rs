@@ -499,6 +499,13 @@ impl Deck {
     /// Reads a deck file and applies `table.key=value` overrides.
     pub fn from_file(path: &Path, overrides: &[String]) -> Result<Deck, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::new(format!("cannot read deck {}: {e}", path.display())))?;
+        // A deck without a single key would train every default: far more likely a wrong path
+        // or a file still being written than a wish.
+        let empty = text.parse::<toml::Table>().is_ok_and(|t| t.is_empty());
+        if empty {
+            return Err(ConfigError::new(format!("{}: the deck is empty ({} bytes, no keys)", path.display(), text.len()))
+                .with_hint("check the path; to train the defaults on purpose, give at least one key (e.g. [run] name = \"...\")"));
+        }
         Deck::from_str_with(&text, overrides)
             .map_err(|e| ConfigError { message: format!("{}: {}", path.display(), e.message), hint: e.hint })
     }

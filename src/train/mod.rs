@@ -90,6 +90,9 @@ pub fn train<B: Backend<f32> + Clone>(
 }
 
 /// One rank's run: the trainer and everything the loop records around it.
+/// The longest a run stays silent on the console, in seconds.
+const CONSOLE_EVERY_S: f64 = 300.0;
+
 struct Run<'g, B: Backend<f32>> {
     trainer: Trainer<'g, B>,
     res: &'g Resolved,
@@ -110,6 +113,8 @@ struct Run<'g, B: Backend<f32>> {
     totals: PhaseTimes,
     /// Time spent writing the previous step's logs (the timing log's `log_s`).
     last_log_s: f64,
+    /// When the last console line was printed (one at least every `CONSOLE_EVERY_S`).
+    last_line: Instant,
     skipped: u64,
     preempted: bool,
     debug_delay: Option<Duration>,
@@ -180,6 +185,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             step_times: vec![],
             totals: PhaseTimes::default(),
             last_log_s: 0.0,
+            last_line: Instant::now(),
             skipped: 0,
             preempted: false,
             debug_delay: faults::step_delay()?,
@@ -286,8 +292,14 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         if let Some(m) = self.metrics.as_mut() {
             m.append(&rec)?;
         }
-        if s1 % self.res.deck.log.every == 0 || s1 == self.steps || self.preempted {
-            let eta = elapsed / s1 as f64 * (self.steps - s1) as f64;
+        // Every `log.every` steps, and the first step of the job, the last, a stop, and at
+        // least every few minutes of a slow run.
+        let due = s1 % self.res.deck.log.every == 0 || s1 == self.first_step + 1 || s1 == self.steps || self.preempted;
+        if due || self.last_line.elapsed().as_secs_f64() >= CONSOLE_EVERY_S {
+            self.last_line = Instant::now();
+            // From this job's own pace: after a resume the steps before `first_step` took no
+            // time here.
+            let eta = elapsed / (s1 - self.first_step) as f64 * (self.steps - s1) as f64;
             say!(
                 "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>10.0} {:>5.1}% {:>9} {:>8}",
                 s1,
