@@ -380,6 +380,8 @@ fn fix_mmap_threshold() {
 }
 
 fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
+    // The clock of `[run] max_walltime` starts now.
+    crate::run::preempt::process_start();
     fix_mmap_threshold();
     let rt = Runtime::init();
     let world = rt.world();

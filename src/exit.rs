@@ -10,6 +10,6 @@ pub const RUN_FAILED: i32 = 1;
 /// Bad input: the deck, the arguments or a file the deck names; nothing was trained.
 pub const BAD_INPUT: i32 = 2;
 
-/// A stop signal (SIGTERM, SIGUSR1) was honoured: a checkpoint was written and the job can be
-/// requeued (`EX_TEMPFAIL` of sysexits.h).
+/// A stop signal (SIGTERM, SIGUSR1) or `[run] max_walltime` was honoured: a checkpoint was
+/// written and the job can be requeued (`EX_TEMPFAIL` of sysexits.h).
 pub const PREEMPTED: i32 = 75;

@@ -456,3 +456,35 @@ fn the_eta_after_a_resume_follows_this_jobs_pace() {
     let actual = elapsed[29] - elapsed[13];
     assert!((eta - actual).abs() <= 0.2 * actual, "ETA at step 14: {eta} s, the remaining 16 steps took {actual} s\n{line}");
 }
+
+/// `[run] max_walltime` shorter than the run: the job checkpoints and exits 75 before the
+/// limit (every step slowed to 150 ms, a limit of 2.5 s from the start), and `resume = "auto"`
+/// finishes it with the losses and the final checkpoint of a run never stopped, bit for bit.
+#[test]
+fn max_walltime_stops_before_the_limit_and_the_resume_is_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let sets = ["run.steps=40", "checkpoint.every=40", "parallel.dp_shard=2"];
+    let straight = train(d, "straight", Some(2), &sets);
+    let out = d.join("limited");
+    let mut limited = sets.to_vec();
+    limited.push("run.max_walltime=2.5");
+    let start = std::time::Instant::now();
+    let o = mpirun_train(2, &out, &limited).env(ndtrain::run::faults::STEP_DELAY_ENV, "150").output().unwrap();
+    let took = start.elapsed().as_secs_f64();
+    assert_eq!(o.status.code(), Some(ndtrain::exit::PREEMPTED), "{}", text(&o));
+    let stopped_at = losses(&out).0.len();
+    assert!((1..40).contains(&stopped_at), "stopped after step {stopped_at}");
+    assert!(
+        text(&o).contains("[run] max_walltime = 2.5 s") && text(&o).contains(&format!("checkpoint of step {stopped_at} written")),
+        "{}",
+        text(&o)
+    );
+    // The limit counts from each rank's start; mpirun's own start-up and exit come on top.
+    assert!(took < 2.5 + 2.0, "the job took {took:.2} s");
+    let mut resume = sets.to_vec();
+    resume.push("checkpoint.resume=\"auto\"");
+    let resumed = train(d, "limited", Some(2), &resume);
+    assert_eq!(resumed, straight, "losses of the limited-and-resumed run");
+    assert_bitwise_equal(&ckpt(d, "straight", 40), &out.join("ckpt/step_00000040.h5"));
+}

@@ -67,6 +67,9 @@ pub struct RunCfg {
     pub watchdog_seconds: f64,
     /// Where the model computes: the host, or the rank's NVIDIA GPU (feature `cuda`).
     pub device: Device,
+    /// Stop with a checkpoint (exit 75) before this many seconds since the start would pass
+    /// during the next step and a checkpoint; 0 = no limit.
+    pub max_walltime: f64,
 }
 
 /// `[run] device`.
@@ -100,6 +103,7 @@ impl Default for RunCfg {
             threads: 0,
             watchdog_seconds: 1800.0,
             device: Device::Cpu,
+            max_walltime: 0.0,
         }
     }
 }

@@ -259,6 +259,7 @@ impl Deck {
                 .with_hint(format!("name = \"{fixed}\"")));
         }
         non_negative_finite("run", "watchdog_seconds", self.run.watchdog_seconds)?;
+        non_negative_finite("run", "max_walltime", self.run.max_walltime)?;
         at_least_one("run", "steps", self.run.steps)
     }
 

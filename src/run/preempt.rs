@@ -1,10 +1,13 @@
-//! Preemption: SIGTERM or SIGUSR1 (what Slurm sends before a time limit with `--signal`, and
-//! what `scancel` sends) only sets a flag; the training loop agrees on it across ranks at the
-//! next step boundary, writes a checkpoint and exits with [`crate::exit::PREEMPTED`].
+//! Stopping early to be continued: SIGTERM or SIGUSR1 (what Slurm sends before a time limit
+//! with `--signal`, and what `scancel` sends) only sets a flag; `[run] max_walltime` is a limit
+//! the program watches itself (as GROMACS' `-maxh` does). The training loop agrees on either
+//! across ranks at the next step boundary, writes a checkpoint and exits with
+//! [`crate::exit::PREEMPTED`].
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::sync::OnceLock;
+use std::time::Instant;
 
 static FLAG: OnceLock<Arc<AtomicBool>> = OnceLock::new();
 
@@ -24,4 +27,30 @@ pub fn install() -> std::io::Result<()> {
 /// Whether this process has received a stop signal.
 pub fn requested() -> bool {
     FLAG.get().is_some_and(|f| f.load(Ordering::Relaxed))
+}
+
+/// When this process started: the clock `[run] max_walltime` counts from. The first call fixes
+/// it; the command line makes that call as it starts.
+pub fn process_start() -> Instant {
+    static START: OnceLock<Instant> = OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+/// `[run] max_walltime = limit_s` (0: none): whether, `elapsed_s` into the job, the next step
+/// (`next_step_s`) and then a checkpoint (`checkpoint_s`) would end past the limit — so the
+/// checkpoint must be written now.
+pub fn walltime_exceeded(limit_s: f64, elapsed_s: f64, next_step_s: f64, checkpoint_s: f64) -> bool {
+    limit_s > 0.0 && elapsed_s + next_step_s + checkpoint_s > limit_s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_walltime_stop_leaves_room_for_a_step_and_a_checkpoint() {
+        assert!(!walltime_exceeded(0.0, 1e9, 1.0, 1.0), "0 is no limit");
+        assert!(!walltime_exceeded(100.0, 80.0, 10.0, 10.0));
+        assert!(walltime_exceeded(100.0, 80.5, 10.0, 10.0));
+    }
 }

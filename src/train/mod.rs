@@ -72,16 +72,13 @@ pub fn train<B: Backend<f32> + Clone>(
         // Micro-steps, reductions, clipping, the optimiser step.
         let mut out = run.trainer.step(step)?;
         run.stepped(s1, &out, start);
-        let stop = run.stop_requested(&mut out.phases);
+        let stop = run.stop_requested(s1, &mut out.phases);
         if run.checkpoint_due(s1) {
             run.checkpoint(s1, &mut out.phases)?;
         }
         run.log(s1, &out, start)?;
-        if stop {
-            say!(
-                "stop signal (SIGTERM/SIGUSR1): checkpoint of step {s1} written; exiting with code {} so the job can be requeued",
-                crate::exit::PREEMPTED
-            );
+        if let Some(why) = stop {
+            say!("{why}: checkpoint of step {s1} written; exiting with code {} so the job can be requeued", crate::exit::PREEMPTED);
             break;
         }
     }
@@ -89,10 +86,10 @@ pub fn train<B: Backend<f32> + Clone>(
     run.finish()
 }
 
-/// One rank's run: the trainer and everything the loop records around it.
 /// The longest a run stays silent on the console, in seconds.
 const CONSOLE_EVERY_S: f64 = 300.0;
 
+/// One rank's run: the trainer and everything the loop records around it.
 struct Run<'g, B: Backend<f32>> {
     trainer: Trainer<'g, B>,
     res: &'g Resolved,
@@ -117,6 +114,13 @@ struct Run<'g, B: Backend<f32>> {
     last_line: Instant,
     skipped: u64,
     preempted: bool,
+    /// For `[run] max_walltime`: the last step boundary, the longest a step took from one
+    /// boundary to the next (its checkpoint left out), the checkpoint time since the last
+    /// boundary, and the last checkpoint's time.
+    last_boundary: Instant,
+    slowest_step_s: f64,
+    ckpt_since_boundary_s: f64,
+    last_ckpt_s: Option<f64>,
     debug_delay: Option<Duration>,
     fail: Option<Fault>,
     hang: Option<Fault>,
@@ -186,6 +190,10 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             totals: PhaseTimes::default(),
             last_log_s: 0.0,
             last_line: Instant::now(),
+            last_boundary: Instant::now(),
+            slowest_step_s: 0.0,
+            ckpt_since_boundary_s: 0.0,
+            last_ckpt_s: None,
             skipped: 0,
             preempted: false,
             debug_delay: faults::step_delay()?,
@@ -224,15 +232,33 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         }
     }
 
-    /// Whether a stop signal reached any rank: agreed at this step boundary, so every rank
-    /// stops here, with a checkpoint.
-    fn stop_requested(&mut self, pt: &mut PhaseTimes) -> bool {
+    /// Whether the run stops after step `s1`, and why: a stop signal reached a rank, or (before
+    /// the last step) the next step and a checkpoint would end past `[run] max_walltime` on a
+    /// rank. Agreed at this step boundary, so every rank stops here, with a checkpoint.
+    fn stop_requested(&mut self, s1: u64, pt: &mut PhaseTimes) -> Option<String> {
+        use crate::run::preempt;
         let t = Instant::now();
-        let mut stop = [crate::run::preempt::requested() as u64];
+        let step_s = (t - self.last_boundary).as_secs_f64() - std::mem::take(&mut self.ckpt_since_boundary_s);
+        self.slowest_step_s = self.slowest_step_s.max(step_s);
+        self.last_boundary = t;
+        let limit = self.res.deck.run.max_walltime;
+        let elapsed = preempt::process_start().elapsed().as_secs_f64();
+        // Until a checkpoint has been timed, one is taken to cost as much as a step.
+        let ckpt_s = self.last_ckpt_s.unwrap_or(self.slowest_step_s);
+        let walltime = s1 < self.steps && preempt::walltime_exceeded(limit, elapsed, self.slowest_step_s, ckpt_s);
+        let mut stop = [preempt::requested() as u64, walltime as u64];
         self.mesh.world.agree_max_u64(&mut stop);
         pt[Phase::Wait] += t.elapsed().as_secs_f64();
-        self.preempted = stop[0] != 0;
-        self.preempted
+        self.preempted = stop != [0, 0];
+        match stop {
+            [1, _] => Some("stop signal (SIGTERM/SIGUSR1)".into()),
+            [_, 1] => Some(format!(
+                "[run] max_walltime = {limit} s: {elapsed:.1} s in, a step (up to {:.2} s) and a checkpoint (~{ckpt_s:.2} s) \
+                 would end past it",
+                self.slowest_step_s
+            )),
+            _ => None,
+        }
     }
 
     /// A checkpoint after step `s1`: every `[checkpoint] every` steps, at the last step, and
@@ -246,7 +272,10 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         beat(|| format!("step {s1}: writing a checkpoint"));
         let t = Instant::now();
         checkpointing::save(&self.trainer.state, self.res, self.mesh, &self.ckpt_dir, s1, &mut self.ckpt_log)?;
-        pt[Phase::Checkpoint] += t.elapsed().as_secs_f64();
+        let secs = t.elapsed().as_secs_f64();
+        pt[Phase::Checkpoint] += secs;
+        self.ckpt_since_boundary_s += secs;
+        self.last_ckpt_s = Some(secs);
         Ok(())
     }
 
