@@ -2,11 +2,49 @@
 # SPDX-License-Identifier: Apache-2.0
 """Spack recipe for ndtrain (a Rust crate built with cargo).
 
-Use this repository of recipes with `spack repo add <ndtrain checkout>/spack`; see
-spack/README.md for what has been verified.
+A Spack 1.x package repository (layout `api: v2`): add it with
+`spack repo add <ndtrain checkout>/spack/spack_repo/ndtrain`; see spack/README.md for what has
+been verified.
 """
 
+from spack_repo.builtin.build_systems.cargo import CargoPackage
+
 from spack.package import *
+
+#: Spack microarchitecture names (archspec) whose rustc `-C target-cpu` name differs or that
+#: rustc knows; others build for the family's baseline.
+RUSTC_CPU = {
+    "x86_64_v2": "x86-64-v2",
+    "x86_64_v3": "x86-64-v3",
+    "x86_64_v4": "x86-64-v4",
+    "haswell": "haswell",
+    "broadwell": "broadwell",
+    "skylake": "skylake",
+    "skylake_avx512": "skylake-avx512",
+    "cascadelake": "cascadelake",
+    "cooperlake": "cooperlake",
+    "icelake": "icelake-server",
+    "sapphirerapids": "sapphirerapids",
+    "zen": "znver1",
+    "zen2": "znver2",
+    "zen3": "znver3",
+    "zen4": "znver4",
+    "zen5": "znver5",
+    "neoverse_n1": "neoverse-n1",
+    "neoverse_v1": "neoverse-v1",
+    "neoverse_v2": "neoverse-v2",
+    "a64fx": "a64fx",
+}
+
+
+def rustc_target_cpu(target):
+    """The `-C target-cpu` for a Spack target: its own name where rustc has one, else the
+    nearest ancestor rustc knows, else None (the toolchain's default)."""
+    for t in [target] + list(getattr(target, "ancestors", [])):
+        name = str(getattr(t, "name", t))
+        if name in RUSTC_CPU:
+            return RUSTC_CPU[name]
+    return None
 
 
 class Ndtrain(CargoPackage):
@@ -21,14 +59,10 @@ class Ndtrain(CargoPackage):
     version("main", branch="main")
 
     variant("cuda", default=False, description="NVIDIA GPU backend (cuBLAS, NVRTC kernels, NCCL)")
-    variant(
-        "native",
-        default=False,
-        description="Optimise for the CPU of the build host (-C target-cpu=native); off, the "
-        "binary runs on any CPU of the family and the GEMM picks its kernels at run time",
-    )
 
     depends_on("rust@1.85:", type="build")
+    # rsmpi builds a small C shim with the MPI compiler wrapper; HDF5's sys crate links C.
+    depends_on("c", type="build")
     # rsmpi generates its MPI bindings with bindgen, which needs libclang.
     depends_on("llvm+clang", type="build")
     depends_on("pkgconfig", type="build")
@@ -40,7 +74,8 @@ class Ndtrain(CargoPackage):
 
     @property
     def build_args(self):
-        args = ["-j", str(make_jobs), "--locked"]
+        # CargoBuilder passes `-j <make_jobs>` itself (`std_build_args`): not again here.
+        args = ["--locked"]
         if self.spec.satisfies("+cuda"):
             args += ["--features", "cuda"]
         return args
@@ -51,9 +86,10 @@ class Ndtrain(CargoPackage):
         env.set("HDF5_DIR", spec["hdf5"].prefix)
         env.set("MPICC", spec["mpi"].mpicc)
         env.set("LIBCLANG_PATH", spec["llvm"].prefix.lib)
-        # The repository's .cargo/config.toml builds for the host CPU; a Spack build may run
-        # on a login node of another CPU, so that is opt-in (+native).
-        env.set("RUSTFLAGS", "-C target-cpu=native" if spec.satisfies("+native") else "")
+        # CPU flags from the spec's target (`target=zen4`, `target=x86_64_v3`, ...), as Spack
+        # does for C and C++ through its compiler wrappers; never the build host's CPU.
+        cpu = rustc_target_cpu(spec.target)
+        env.set("RUSTFLAGS", f"-C target-cpu={cpu}" if cpu else "")
         if spec.satisfies("+cuda"):
             env.set("CUDA_ROOT", spec["cuda"].prefix)
 
