@@ -129,6 +129,11 @@ enum DataCmd {
 
 /// Runs the program; returns the process exit code.
 pub fn main() -> i32 {
+    // Before any kernel runs: a binary built for a newer CPU ends here with one line, not SIGILL.
+    if let Err(e) = crate::backend::cpu::features::check() {
+        report_error(&e);
+        return EXIT_BAD_INPUT;
+    }
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -422,7 +427,13 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
     let threads = crate::backend::cpu::threads_for_rank(res.deck.run.threads, mesh.node.size());
     crate::backend::cpu::use_threads(threads);
 
-    say!("ndtrain {} | {} ranks × {threads} threads | deck {}", env!("CARGO_PKG_VERSION"), mesh.world.size(), deck_path.display());
+    say!(
+        "ndtrain {} ({}) | {} ranks × {threads} threads | deck {}",
+        env!("CARGO_PKG_VERSION"),
+        crate::backend::cpu::features::build_target(),
+        mesh.world.size(),
+        deck_path.display()
+    );
     for line in &res.summary {
         say!("{line}");
     }

@@ -611,3 +611,27 @@ fn every_bad_input_fails_cleanly_on_every_rank() {
     assert!(cases.len() >= 20 && data_files >= 8, "{} cases, {data_files} of them data files", cases.len());
     run_bad_inputs(&cases);
 }
+
+/// A binary started on a CPU without a feature it was built for ends at once with code 2 and
+/// one line naming the missing features (here the CPU's feature list is replaced by one
+/// without AVX2 and FMA, which every default build uses); with the features it was built for
+/// it runs.
+#[test]
+fn a_cpu_without_the_build_features_is_refused_by_name() {
+    let deck = tiny_deck();
+    let args = ["plan", deck.to_str().unwrap(), "--ranks", "1"];
+    let o = mpi_env(&mut Command::new(bin()))
+        .args(args)
+        .env(ndtrain::backend::cpu::features::CPU_FEATURES_ENV, "sse4.2,popcnt")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line\n{}", text(&o));
+    assert!(lines[0].starts_with("error: this ndtrain was built for CPU features this CPU lacks: "), "{}", lines[0]);
+    assert!(lines[0].contains(" avx2 ") && lines[0].contains(" fma "), "{}", lines[0]);
+    let all = ndtrain::backend::cpu::features::compiled().join(",");
+    let o = mpi_env(&mut Command::new(bin())).args(args).env(ndtrain::backend::cpu::features::CPU_FEATURES_ENV, &all).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+}
