@@ -24,13 +24,8 @@ fn ckpt(dir: &Path, name: &str, step: u64) -> PathBuf {
 
 /// `mpirun -n N ndtrain train tiny.toml` with `SETS` and `extra`, writing to `out`; not started.
 fn mpirun_train(n: usize, out: &Path, extra: &[&str]) -> Command {
-    let mut cmd = Command::new("mpirun");
-    mpi_env(&mut cmd).args(["--oversubscribe", "-n", &n.to_string(), bin(), "train"]).arg(tiny_deck());
-    cmd.arg("--set").arg(format!("run.out_dir=\"{}\"", out.display()));
-    for s in SETS.iter().chain(extra) {
-        cmd.args(["--set", s]);
-    }
-    cmd
+    let sets: Vec<&str> = SETS.iter().chain(extra).copied().collect();
+    mpirun_tiny(n, out, &sets)
 }
 
 fn resume_from(path: &Path) -> String {
@@ -276,7 +271,7 @@ fn sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise() {
         .spawn()
         .unwrap();
     let start = std::time::Instant::now();
-    let rows = || std::fs::read_to_string(out.join("metrics.csv")).map(|s| s.lines().count().saturating_sub(1)).unwrap_or(0);
+    let rows = || steps_done(&out);
     while rows() < 3 {
         assert!(start.elapsed().as_secs() < 60, "the run never logged 3 steps");
         std::thread::sleep(std::time::Duration::from_millis(20));

@@ -34,11 +34,6 @@ fn spawn(mut cmd: Command) -> Child {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("mpirun starts")
 }
 
-/// Rows of `<out>/metrics.csv` so far (steps finished).
-fn steps_done(out: &Path) -> usize {
-    std::fs::read_to_string(out.join("metrics.csv")).map(|s| s.lines().count().saturating_sub(1)).unwrap_or(0)
-}
-
 fn wait_for_steps(out: &Path, n: usize, child: &mut Child) {
     let start = Instant::now();
     while steps_done(out) < n {

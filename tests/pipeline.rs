@@ -204,7 +204,7 @@ fn nonfinite_policy_and_preemption_hold_under_a_pipeline() {
         .spawn()
         .unwrap();
     let start = std::time::Instant::now();
-    while column_len(&out) < 3 {
+    while steps_done(&out) < 3 {
         assert!(start.elapsed().as_secs() < 60, "the run never logged 3 steps");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
@@ -227,16 +227,6 @@ fn nonfinite_policy_and_preemption_hold_under_a_pipeline() {
 /// `mpirun -n 2 ndtrain train` of the tiny deck with `SETS` and `extra`, writing to `out`; not
 /// started.
 fn launch(out: &Path, extra: &[&str]) -> std::process::Command {
-    let mut cmd = std::process::Command::new("mpirun");
-    mpi_env(&mut cmd).args(["--oversubscribe", "-n", "2", bin(), "train"]).arg(tiny_deck());
-    cmd.arg("--set").arg(format!("run.out_dir=\"{}\"", out.display()));
-    for s in SETS.iter().chain(extra) {
-        cmd.args(["--set", s]);
-    }
-    cmd
-}
-
-/// Rows of `metrics.csv` so far.
-fn column_len(out: &Path) -> usize {
-    std::fs::read_to_string(out.join("metrics.csv")).map(|s| s.lines().count().saturating_sub(1)).unwrap_or(0)
+    let sets: Vec<&str> = SETS.iter().chain(extra).copied().collect();
+    mpirun_tiny(2, out, &sets)
 }

@@ -89,12 +89,11 @@ impl RankPlan {
 
 /// The plan of one resolved deck: rank 0's, with every pipeline stage's memory.
 pub fn plan(res: &Resolved) -> RankPlan {
-    let mut first = stage_plan(res, 0);
+    let (mut first, first_chunks) = stage_plan(res, 0);
     if res.layout.pp > 1 {
         first.stages = (0..res.layout.pp)
             .map(|stage| {
-                let p = if stage == 0 { first.clone() } else { stage_plan(res, stage) };
-                let (_, chunks) = stage_pieces(res, stage);
+                let (p, chunks) = if stage == 0 { (first.clone(), first_chunks.clone()) } else { stage_plan(res, stage) };
                 StagePlan {
                     stage,
                     blocks: chunks.iter().map(|c| c.layer_ids.clone()).collect(),
@@ -110,8 +109,9 @@ pub fn plan(res: &Resolved) -> RankPlan {
     first
 }
 
-/// The plan of rank 0 of pipeline stage `stage` (tp rank 0, fsdp rank 0); its `stages` empty.
-fn stage_plan(res: &Resolved, stage: usize) -> RankPlan {
+/// The plan of rank 0 of pipeline stage `stage` (tp rank 0, fsdp rank 0; its `stages` empty),
+/// and the stage's chunks.
+fn stage_plan(res: &Resolved, stage: usize) -> (RankPlan, Vec<Chunk>) {
     let deck = &res.deck;
     let l = res.layout;
     let (dims, chunks) = stage_pieces(res, stage);
@@ -138,7 +138,7 @@ fn stage_plan(res: &Resolved, stage: usize) -> RankPlan {
         per_chunk.fold(ActivationMemory::default(), ActivationMemory::plus)
     };
     let flops_per_step = crate::metrics::flops_per_token(&deck.model, deck.train.seq_len) * res.tokens_per_step as f64;
-    RankPlan {
+    let rank = RankPlan {
         layout: l,
         grad_accum: res.grad_accum,
         global_batch: res.global_batch,
@@ -156,7 +156,8 @@ fn stage_plan(res: &Resolved, stage: usize) -> RankPlan {
         bubble: if l.pp > 1 { bubble_fraction(schedule_of(res), l.pp, chunks.len(), res.grad_accum) } else { 0.0 },
         in_flight,
         stages: vec![],
-    }
+    };
+    (rank, chunks)
 }
 
 /// Bytes per optimiser step of every collective of one rank (rank 0), keyed `group.kind`.

@@ -231,3 +231,19 @@ pub fn children(parent: u32) -> Vec<i32> {
     }
     out
 }
+
+/// `mpirun -n N ndtrain train <tiny deck>` writing to `out`, with `sets` as `--set`s; not started.
+pub fn mpirun_tiny(n: usize, out: &Path, sets: &[&str]) -> Command {
+    let mut cmd = Command::new("mpirun");
+    mpi_env(&mut cmd).args(["--oversubscribe", "-n", &n.to_string(), bin(), "train"]).arg(tiny_deck());
+    cmd.arg("--set").arg(format!("run.out_dir=\"{}\"", out.display()));
+    for s in sets {
+        cmd.args(["--set", s]);
+    }
+    cmd
+}
+
+/// Rows of `<out>/metrics.csv` so far (steps finished).
+pub fn steps_done(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.csv")).map(|s| s.lines().count().saturating_sub(1)).unwrap_or(0)
+}

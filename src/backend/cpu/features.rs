@@ -109,24 +109,27 @@ pub fn check() -> Result<(), String> {
     ))
 }
 
+/// The features of the x86-64 microarchitecture levels, each beyond the one below.
+const LEVEL_V2: &[&str] = &["sse4.2", "popcnt"];
+const LEVEL_V3: &[&str] = &["avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "lzcnt", "movbe"];
+const LEVEL_V4: &[&str] = &["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"];
+
 /// A short name of what the build targets, for the banner: the x86-64 level its features
 /// reach (`x86-64-v4` with AVX-512, `x86-64-v3` with AVX2 and FMA, …) and what it has beyond.
 pub fn build_target() -> String {
     let c = compiled();
-    let has = |f: &str| c.contains(&f);
-    let level = if ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"].iter().all(|f| has(f)) {
+    let reaches = |level: &[&str]| level.iter().all(|f| c.contains(f));
+    let level = if reaches(LEVEL_V4) {
         "x86-64-v4"
-    } else if ["avx2", "fma", "bmi2", "f16c", "movbe"].iter().all(|f| has(f)) {
+    } else if reaches(LEVEL_V3) {
         "x86-64-v3"
-    } else if ["sse4.2", "popcnt"].iter().all(|f| has(f)) {
+    } else if reaches(LEVEL_V2) {
         "x86-64-v2"
     } else {
         std::env::consts::ARCH
     };
-    let v4 = ["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"];
-    let v3 = ["avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "lzcnt", "movbe"];
-    let base = ["sse4.2", "popcnt"];
-    let extra: Vec<&str> = c.iter().copied().filter(|f| !v4.contains(f) && !v3.contains(f) && !base.contains(f)).collect();
+    let named = |f: &&str| [LEVEL_V2, LEVEL_V3, LEVEL_V4].iter().any(|l| l.contains(f));
+    let extra: Vec<&str> = c.iter().copied().filter(|f| !named(f)).collect();
     if extra.is_empty() {
         level.to_string()
     } else {
