@@ -129,9 +129,10 @@ enum DataCmd {
 
 /// Runs the program; returns the process exit code.
 pub fn main() -> i32 {
-    // Before any kernel runs: a binary built for a newer CPU ends here with one line, not SIGILL.
-    if let Err(e) = crate::backend::cpu::features::check() {
-        report_error(&e);
+    // A binary built for a newer CPU never gets here: the check before `main` ends it with one
+    // line (`backend::cpu::features`). Asking for its verdict keeps it linked in.
+    if !crate::backend::cpu::features::check_passed() {
+        report_error(&"the start-up CPU feature check did not run");
         return EXIT_BAD_INPUT;
     }
     let cli = match Cli::try_parse() {
@@ -417,6 +418,15 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         drop(world);
         rt.finalize_and_exit(EXIT_BAD_INPUT);
     }
+    // Every rank gets rank 0's answer, so all take the same branch.
+    let job_end_line = match res.deck.run.stop_before_job_end.then(|| job_end(&world)).transpose() {
+        Ok(line) => line,
+        Err(e) => {
+            bad_input_agreed(&world, Err(e));
+            drop(world);
+            rt.finalize_and_exit(EXIT_BAD_INPUT);
+        }
+    };
     let mesh = Mesh::new(world, res.layout);
     // What only the job's devices can tell (NCCL needs a GPU per rank): bad input, agreed.
     let verdict = device_checks(&res, &mesh);
@@ -424,8 +434,10 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         drop(mesh);
         rt.finalize_and_exit(EXIT_BAD_INPUT);
     }
-    let threads = crate::backend::cpu::threads_for_rank(res.deck.run.threads, mesh.node.size());
-    crate::backend::cpu::use_threads(threads);
+    let (threads, places) = place_rank(&res, &mesh);
+    // run.json: what this run is, written by rank 0 before training and rewritten with the
+    // outcome at the end. A file that cannot be written is a warning.
+    let mut record = crate::run::provenance::RunRecord::start(&res, &places, &deck_path, threads);
 
     say!(
         "ndtrain {} ({}) | {} ranks × {threads} threads | deck {}",
@@ -434,7 +446,9 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         mesh.world.size(),
         deck_path.display()
     );
-    for line in &res.summary {
+    say!("{}", record.banner());
+    let placement = crate::run::placement::table(&places, res.deck.run.threads == 0);
+    for line in placement.iter().chain(&res.summary).chain(&job_end_line) {
         say!("{line}");
     }
     let deck_text = format!(
@@ -459,10 +473,21 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
         }
     }
     mesh.world.barrier();
+    let save = |record: &crate::run::provenance::RunRecord| {
+        if mesh.world.rank() == 0 {
+            if let Err(e) = record.write(&out_dir) {
+                eprintln!("warning: rank 0: cannot write {}: {e}", out_dir.join(crate::run::provenance::FILE).display());
+            }
+        }
+    };
+    save(&record);
     match train_on_device(&res, &mesh, &out_dir) {
         Ok(summary) => {
+            let code = if summary.preempted { EXIT_PREEMPTED } else { 0 };
+            record.finish(code, Some(summary.results()), None);
+            save(&record);
             drop(mesh);
-            rt.finalize_and_exit(if summary.preempted { EXIT_PREEMPTED } else { 0 })
+            rt.finalize_and_exit(code)
         }
         Err(e) => match e.downcast::<crate::train::AgreedFailure>() {
             // Every rank stopped at the same point: finalise together, report once.
@@ -470,15 +495,74 @@ fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
                 if let Some(m) = &agreed.message {
                     report_error(m);
                 }
+                record.finish(EXIT_RUN_FAILED, None, Some(agreed.to_string()));
+                save(&record);
                 drop(mesh);
                 rt.finalize_and_exit(EXIT_RUN_FAILED)
             }
             Err(e) => {
-                report_error(&format!("rank {}: {e}", mesh.world.rank()));
+                let message = format!("rank {}: {e}", mesh.world.rank());
+                report_error(&message);
+                record.finish(EXIT_RUN_FAILED, None, Some(message));
+                save(&record);
                 comm::abort(EXIT_RUN_FAILED)
             }
         },
     }
+}
+
+/// `[run] stop_before_job_end`: rank 0 asks the scheduler how long the job has left (one query
+/// per job, not per rank) and every rank stops before that, counted from its own start.
+/// Returns the console line that says so.
+fn job_end(world: &comm::Group) -> Result<String, String> {
+    use crate::run::{job_limit, preempt};
+    let mut answer = match world.rank() {
+        0 => match job_limit::seconds_left() {
+            Ok(Some((secs, source))) => format!("{secs}\t{source}"),
+            Ok(None) => "none".to_string(),
+            Err(e) => format!("error\t{e}"),
+        },
+        _ => String::new(),
+    }
+    .into_bytes();
+    world.broadcast_bytes(0, &mut answer);
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    match answer.split_once('\t') {
+        Some(("error", e)) => Err(e.to_string()),
+        Some((secs, source)) => {
+            let secs: f64 = secs.parse().map_err(|_| format!("the scheduler's time left {secs:?} is not a number"))?;
+            let at = crate::run::preempt::process_start().elapsed().as_secs_f64() + secs;
+            preempt::set_job_end(at);
+            Ok(format!(
+                "walltime: {source}: {} left; the run stops with a checkpoint before it ([run] stop_before_job_end)",
+                crate::metrics::fmt_duration(secs)
+            ))
+        }
+        None => Ok("walltime: the batch job has no time limit ([run] stop_before_job_end has nothing to stop before)".into()),
+    }
+}
+
+/// Starts this rank's threads on the CPUs of its affinity mask (shared with the node's ranks
+/// that have the same mask); returns their number and every rank's place.
+fn place_rank(res: &Resolved, mesh: &Mesh) -> (usize, Vec<crate::run::placement::Place>) {
+    use crate::run::placement;
+    let cpus = placement::affinity();
+    let requested = res.deck.run.threads;
+    let threads = placement::threads_on_node(&mesh.node, requested, &cpus);
+    crate::backend::cpu::use_threads(threads);
+    let gpu = match res.deck.run.device {
+        Device::Cpu => "none".to_string(),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::backend::cuda::device_count()
+            .ok()
+            .filter(|&n| n > 0)
+            .map_or_else(|| "unknown".into(), |n| (mesh.node.rank() % n).to_string()),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => "unknown".to_string(),
+    };
+    let mine =
+        placement::Place { host: placement::hostname(), rank: mesh.world.rank(), cpus, threads, gpu, node_cpus: placement::node_cpus() };
+    (threads, placement::gather(&mesh.world, &mine))
 }
 
 /// The rate MFU is stated against: the deck's `[hardware] peak_flops_per_rank`, else `probe`.

@@ -100,6 +100,8 @@ pub struct StepRecord {
     pub elapsed_s: f64,
     /// Ranks of the job (for tokens/s per rank).
     pub world: usize,
+    /// The held-out loss after this step, where `[eval]` computed one.
+    pub val_loss: Option<f64>,
 }
 
 /// `<out_dir>/metrics.csv`: one row per optimiser step, written by rank 0.
@@ -111,14 +113,14 @@ impl MetricsCsv {
     /// Creates the file, or on a resume at step `resumed_at` keeps the rows of steps up to it
     /// (a run that continues in its own directory keeps one unbroken log).
     pub fn create(path: &Path, resumed_at: u64) -> std::io::Result<Self> {
-        let out = open_log(path, "step,loss,lr,grad_norm,tokens_per_s,tokens_per_s_per_rank,mfu,step_s,elapsed_s", resumed_at)?;
+        let out = open_log(path, "step,loss,lr,grad_norm,tokens_per_s,tokens_per_s_per_rank,mfu,step_s,elapsed_s,val_loss", resumed_at)?;
         Ok(MetricsCsv { out })
     }
 
     pub fn append(&mut self, r: &StepRecord) -> std::io::Result<()> {
         writeln!(
             self.out,
-            "{},{:.16e},{:.16e},{:.16e},{:.6e},{:.6e},{:.6e},{:.6e},{:.6e}",
+            "{},{:.16e},{:.16e},{:.16e},{:.6e},{:.6e},{:.6e},{:.6e},{:.6e},{}",
             r.step,
             r.loss,
             r.lr,
@@ -127,7 +129,8 @@ impl MetricsCsv {
             r.tokens_per_s / r.world.max(1) as f64,
             r.mfu,
             r.step_s,
-            r.elapsed_s
+            r.elapsed_s,
+            r.val_loss.map_or(String::new(), |v| format!("{v:.16e}"))
         )?;
         self.out.flush()
     }
@@ -136,8 +139,9 @@ impl MetricsCsv {
 /// The phases a step's wall time is split into.
 /// `comm` is the gradient traffic after the last backward (the outer all-reduce, norms, the
 /// loss); `wait` the step's synchronisation points (the token count before the first forward,
-/// the stop-signal agreement), where a fast rank waits for the slowest.
-pub const PHASES: [&str; 7] = ["data", "forward", "backward", "comm", "optimizer", "checkpoint", "wait"];
+/// the stop-signal agreement), where a fast rank waits for the slowest; `eval` the held-out
+/// loss computed after the step (its collectives count in the step's traffic).
+pub const PHASES: [&str; 8] = ["data", "forward", "backward", "comm", "optimizer", "checkpoint", "wait", "eval"];
 
 /// A phase of a step (named in logs as [`PHASES`] says).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,11 +153,12 @@ pub enum Phase {
     Optimizer,
     Checkpoint,
     Wait,
+    Eval,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 7] =
-        [Phase::Data, Phase::Forward, Phase::Backward, Phase::Comm, Phase::Optimizer, Phase::Checkpoint, Phase::Wait];
+    pub const ALL: [Phase; PHASES.len()] =
+        [Phase::Data, Phase::Forward, Phase::Backward, Phase::Comm, Phase::Optimizer, Phase::Checkpoint, Phase::Wait, Phase::Eval];
 
     /// The phase's name in the logs.
     pub fn name(self) -> &'static str {
@@ -163,7 +168,7 @@ impl Phase {
 
 /// Per-step phase times of this rank, in seconds, indexed by [`Phase`].
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PhaseTimes([f64; 7]);
+pub struct PhaseTimes([f64; PHASES.len()]);
 
 impl PhaseTimes {
     pub fn add(&mut self, other: &PhaseTimes) {
@@ -173,7 +178,7 @@ impl PhaseTimes {
     }
 
     /// Every phase's time, in [`PHASES`] order.
-    pub fn values(&self) -> &[f64; 7] {
+    pub fn values(&self) -> &[f64; PHASES.len()] {
         &self.0
     }
 }

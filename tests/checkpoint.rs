@@ -276,12 +276,8 @@ fn sigterm_checkpoints_at_a_step_boundary_and_the_resume_is_bitwise() {
         assert!(start.elapsed().as_secs() < 60, "the run never logged 3 steps");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let ranks = children(child.id());
-    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
     let logged_before_signal = rows() as u64;
-    for pid in ranks {
-        assert!(Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
-    }
+    term_ranks(child.id(), 2);
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(ndtrain::exit::PREEMPTED), "{}", text(&o));
     let stopped_at = losses(&out).0.len() as u64;
@@ -482,4 +478,59 @@ fn max_walltime_stops_before_the_limit_and_the_resume_is_bitwise() {
     let resumed = train(d, "limited", Some(2), &resume);
     assert_eq!(resumed, straight, "losses of the limited-and-resumed run");
     assert_bitwise_equal(&ckpt(d, "straight", 40), &out.join("ckpt/step_00000040.h5"));
+}
+
+/// `[run] stop_before_job_end`: rank 0 asks the batch scheduler how long the job has left
+/// (here a PBS job whose `qstat -f` says 3 s of a walltime limit remain) and the run stops with
+/// a checkpoint and exit 75 before that; the scheduler is asked once per job. Outside a batch
+/// job the key is bad input. A stop-signal lead time shorter than a step and a checkpoint is a
+/// warning.
+#[test]
+fn the_batch_jobs_own_time_limit_stops_the_run_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let bin_dir = d.join("bin");
+    std::fs::create_dir_all(&bin_dir).unwrap();
+    let qstat = bin_dir.join("qstat");
+    let asked = d.join("qstat-calls");
+    std::fs::write(
+        &qstat,
+        format!(
+            "#!/bin/sh\necho \"$@\" >> {}\necho \"Job Id: $2\"\necho '    Resource_List.walltime = 00:00:03'\necho '    resources_used.walltime = 00:00:00'\n",
+            asked.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&qstat, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap());
+    let out = d.join("pbs");
+    let sets = ["run.steps=60", "run.stop_before_job_end=true", "run.signal_lead_time=0.05"];
+    let start = std::time::Instant::now();
+    let o = mpirun_train(2, &out, &sets)
+        .env("PATH", &path)
+        .env("PBS_JOBID", "4242.pbs")
+        .env(ndtrain::run::faults::STEP_DELAY_ENV, "150")
+        .output()
+        .unwrap();
+    let (took, t) = (start.elapsed().as_secs_f64(), text(&o));
+    assert_eq!(o.status.code(), Some(ndtrain::exit::PREEMPTED), "{t}");
+    assert!(t.contains("walltime: PBS job 4242.pbs: qstat -f walltime limit minus used: "), "{t}");
+    assert!(t.contains("the batch job's time limit (3 s after the start)"), "{t}");
+    let stopped_at = losses(&out).0.len();
+    assert!((1..60).contains(&stopped_at) && t.contains(&format!("checkpoint of step {stopped_at} written")), "{t}");
+    // The limit counts from each rank's start, on its own clock: the steps ended before it
+    // (mpirun's start-up and exit, slow on a loaded machine, come on top of the wall time).
+    let elapsed = column(&out, "elapsed_s");
+    assert!(*elapsed.last().unwrap() < 3.0, "the last step ended {:?} s into training ({took:.2} s of wall time)", elapsed.last());
+    assert_eq!(std::fs::read_to_string(&asked).unwrap(), "-f 4242.pbs\n", "asked once, by rank 0");
+    assert_eq!(t.matches("take longer than the scheduler's stop-signal lead time ([run] signal_lead_time = 0.05 s)").count(), 1, "{t}");
+
+    let o = mpirun_train(2, &d.join("nojob"), &["run.stop_before_job_end=true"])
+        .env_remove("PBS_JOBID")
+        .env_remove("SLURM_JOB_ID")
+        .output()
+        .unwrap();
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert_eq!(t.matches("not a Slurm or PBS batch job").count(), 1, "{t}");
 }

@@ -24,6 +24,25 @@ const fn bad_set(what: &'static str, set: &'static [&'static str], world: usize,
 
 const BAD: &[Bad] = &[
     // Parsing.
+    // The held-out loss.
+    bad_set(
+        "eval without batches",
+        &["eval.every=5", "eval.batches=0"],
+        1,
+        &["m:[eval] batches must be ≥ 1 when [eval] every(5) > 0, but it is 0"],
+    ),
+    bad_set(
+        "held-out file with synthetic data",
+        &["eval.every=5", "eval.path=\"val.bin\""],
+        1,
+        &["m:[eval] path = \"val.bin\" is given, but [data] source = \"synthetic\" reads no file", "h:tail_samples"],
+    ),
+    bad_set(
+        "held-out file and tail",
+        &["eval.every=5", "data.source=\"bin\"", "data.path=\"t.bin\"", "eval.path=\"v.bin\"", "eval.tail_samples=8"],
+        1,
+        &["m:[eval] path = \"v.bin\" and tail_samples(8) are both given"],
+    ),
     bad("syntax error", "[run]\nsteps = 10\n[model\n", 1, &["m:TOML syntax error at line 3"]),
     bad("duplicate key", "[run]\nsteps = 1\nsteps = 2\n", 1, &["m:line 3", "m:duplicate key"]),
     bad("unknown key, close", "[model]\nn_head = 4\n", 1, &["m:unknown key [model] n_head; did you mean n_heads?"]),

@@ -208,11 +208,7 @@ fn nonfinite_policy_and_preemption_hold_under_a_pipeline() {
         assert!(start.elapsed().as_secs() < 60, "the run never logged 3 steps");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let ranks = children(child.id());
-    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
-    for pid in ranks {
-        assert!(std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
-    }
+    term_ranks(child.id(), 2);
     let o = child.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(ndtrain::exit::PREEMPTED), "{}", text(&o));
     let stopped_at = losses(&out).0.len();

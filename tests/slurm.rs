@@ -1,7 +1,9 @@
 //! `jobscripts/slurm/train.sbatch` against a real single-node Slurm (slurmctld, slurmd and munge
 //! from Debian, started by `jobscripts/local/slurm-local.sh`): a job trains the tiny deck on 4 ranks
-//! (FSDP=2×TP=2) with `srun --mpi=pmix`, checkpoints and logs every rank; a second job resumes
-//! from its checkpoint. The cluster is stopped whatever happens.
+//! (FSDP=2×TP=2) under `srun` (PMIx: the cluster's `MpiDefault`, else `SRUN_MPI=pmix`),
+//! checkpoints and logs every rank; a second job resumes from its checkpoint; a job of one task
+//! with `--cpus-per-task=2` gives its rank 2 threads; a job signalled as before its time limit
+//! checkpoints, requeues itself and finishes. The cluster is stopped whatever happens.
 
 mod common;
 
@@ -26,14 +28,15 @@ impl Drop for Cluster {
     }
 }
 
-/// `sbatch --wait` of the job script with `sets` as its `SETS`; returns the exit code and the
-/// job's output.
-fn sbatch(env: &[(String, String)], out: &std::path::Path, name: &str, sets: &str) -> (i32, String) {
+/// `sbatch --wait` of the job script with `sets` as its `SETS` and `resources` as sbatch options;
+/// returns the exit code and the job's output.
+fn sbatch(env: &[(String, String)], out: &std::path::Path, name: &str, sets: &str, resources: &[&str]) -> (i32, String) {
     let job_out = out.join(format!("{name}.out"));
     let export = format!("ALL,DECK={},NDTRAIN={},SETS={sets}", tiny_deck().display(), bin());
     let o = Command::new("sbatch")
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .args(["--wait", "--ntasks-per-node=4", "--time=00:10:00", &format!("--job-name={name}")])
+        .args(["--wait", "--time=00:10:00", &format!("--job-name={name}")])
+        .args(resources)
         .arg(format!("--chdir={}", repo().display()))
         .arg(format!("--output={}", job_out.display()))
         .arg(format!("--export={export}"))
@@ -57,17 +60,25 @@ fn a_slurm_job_trains_and_checkpoints_and_a_second_job_resumes() {
     assert!(start.status.success(), "slurm-local.sh start: {}", text(&start));
     // Open MPI as root and oversubscription inside the jobs, as the script recommends.
     let env_lines = Command::new(&script).arg("env").output().unwrap();
-    let env: Vec<(String, String)> = String::from_utf8_lossy(&env_lines.stdout)
+    let mut env: Vec<(String, String)> = String::from_utf8_lossy(&env_lines.stdout)
         .split_whitespace()
         .filter_map(|w| w.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())))
         .collect();
+    // Debian's Open MPI speaks only PMIx to srun: the script leaves the plugin to the cluster's
+    // MpiDefault unless SRUN_MPI names one.
+    let mpi_default = config_value("MpiDefault");
+    if !mpi_default.starts_with("pmix") {
+        env.push(("SRUN_MPI".into(), "pmix".into()));
+    }
 
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let common = format!("optim.warmup_steps=2 parallel.tp=2 checkpoint.every=3 run.out_dir=\"{}\"", run.display());
-    let (rc, log) = sbatch(&env, dir.path(), "first", &format!("run.steps=6 {common}"));
+    let (rc, log) = sbatch(&env, dir.path(), "first", &format!("run.steps=6 {common}"), &["--ntasks-per-node=4"]);
     assert_eq!(rc, 0, "{log}");
-    assert!(log.contains("+ srun --mpi=pmix"), "{log}");
+    // srun gets the job's --cpus-per-task (1, the script's default) and binds each task to cores.
+    let srun = if mpi_default.starts_with("pmix") { "+ srun -c 1 --cpu-bind=cores" } else { "+ srun --mpi=pmix -c 1 --cpu-bind=cores" };
+    assert!(log.contains(srun), "{srun}: {log}");
     assert!(run.join("ckpt/step_00000006.h5").exists() && run.join("ckpt/step_00000003.h5").exists(), "{log}");
     let mut ranks: Vec<String> =
         std::fs::read_dir(run.join("timing")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
@@ -79,16 +90,59 @@ fn a_slurm_job_trains_and_checkpoints_and_a_second_job_resumes() {
         .contains("for 4 ranks: layout pp=1 dp_replicate=1 dp_shard=2 cp=1 tp=2"));
 
     // The second job continues the same run to step 10 from the checkpoint of step 6.
-    let (rc, log) = sbatch(&env, dir.path(), "second", &format!("run.steps=10 {common}"));
+    let (rc, log) = sbatch(&env, dir.path(), "second", &format!("run.steps=10 {common}"), &["--ntasks-per-node=4"]);
     assert_eq!(rc, 0, "{log}");
     assert!(log.contains("resumed from") && log.contains("step_00000006.h5"), "{log}");
     let (_, l) = losses(&run);
     assert_eq!(l.len(), 10, "one log of steps 1-10");
     assert!(run.join("ckpt/step_00000010.h5").exists());
 
+    // One task with 2 CPUs: srun -c 2 gives the rank its 2 CPUs, and the automatic thread count
+    // ([run] threads = 0, which the script leaves alone) is the CPUs of the rank's mask.
+    two_cpus_per_task(&env, dir.path());
+
     // The requeue pattern: SIGUSR1 to the tasks (what --signal=USR1@120 sends before the time
     // limit) → checkpoint and exit 75 → the script requeues the job → it resumes and finishes.
     requeue_after_signal(&env, dir.path());
+}
+
+/// A value of `scontrol show config` (`Name = value`), empty if not listed.
+fn config_value(name: &str) -> String {
+    let o = Command::new("scontrol").args(["show", "config"]).output().unwrap();
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .find_map(|l| l.split_once('=').filter(|(k, _)| k.trim() == name).map(|(_, v)| v.trim().to_string()))
+        .unwrap_or_default()
+}
+
+/// CPUs this process may run on (`nproc`: its affinity mask).
+fn nproc() -> usize {
+    let o = Command::new("nproc").output().unwrap();
+    String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
+}
+
+/// A job of one task with `--cpus-per-task=2`: the script passes `-c 2 --cpu-bind=cores` to srun
+/// and no thread count, and the banner and rank 0's placement line show the rank's threads.
+fn two_cpus_per_task(env: &[(String, String)], dir: &std::path::Path) {
+    let run = dir.join("two_cpus");
+    let sets = format!("run.steps=2 optim.warmup_steps=1 run.out_dir=\"{}\"", run.display());
+    let (rc, log) = sbatch(env, dir, "two_cpus", &sets, &["--ntasks=1", "--ntasks-per-node=1", "--cpus-per-task=2"]);
+    assert_eq!(rc, 0, "{log}");
+    assert!(log.contains("1 tasks × 2 CPUs") && log.contains(" -c 2 --cpu-bind=cores "), "{log}");
+    assert!(!log.contains("--set run.threads="), "the script leaves the thread count to ndtrain: {log}");
+    // A task plugin that binds (task/affinity, task/cgroup) gives the task exactly its 2 CPUs;
+    // task/none (this single-host cluster's, see slurm-local.sh) binds nothing, so the rank's mask
+    // is every CPU of the machine: the same 2 on a 2-CPU machine.
+    let binds = ["affinity", "cgroup"].iter().any(|p| config_value("TaskPlugin").contains(p));
+    let threads = if binds { 2 } else { nproc() };
+    assert!(log.contains(&format!("| 1 ranks × {threads} threads |")), "{threads} threads: {log}");
+    assert!(
+        log.lines().any(|l| l.starts_with("placement: ")
+            && l.contains(" rank 0: cpus ")
+            && l.ends_with(&format!(", {threads} threads, gpu none"))),
+        "rank 0's placement line with {threads} threads: {log}"
+    );
+    assert_eq!(losses(&run).1.len(), 2, "{log}");
 }
 
 fn scontrol_field(job: &str, field: &str) -> String {

@@ -2,16 +2,19 @@
 # Installs the system packages ndtrain builds against on Debian 12 / Ubuntu 22.04 or newer:
 # Open MPI, parallel HDF5 (Open MPI flavour) with its tools (h5dump), libclang (rsmpi
 # generates its MPI bindings), pkg-config, and Debian's python3-h5py (the checkpoint tests
-# read checkpoints with h5py as users do) and fonts-dejavu-core (the font `ndtrain report`
-# draws its plots with). Rust (>= 1.85, with rustfmt and clippy) must already be installed.
+# read checkpoints with h5py as users do), fonts-dejavu-core (the font `ndtrain report`
+# draws its plots with), shellcheck (the tests lint every job script with it) and qemu-user
+# (tests/portability.rs runs the build on emulated older CPUs). Rust (>= 1.85, with rustfmt and
+# clippy) must already be installed.
 set -euo pipefail
 
-PACKAGES="${PACKAGES:-openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools python3-h5py fonts-dejavu-core libclang-dev pkg-config build-essential}"
+PACKAGES="${PACKAGES:-openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools python3-h5py fonts-dejavu-core shellcheck qemu-user libclang-dev pkg-config build-essential}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 echo "+ apt-get install -y $PACKAGES"
 $SUDO apt-get update -q
+# shellcheck disable=SC2086 # a list of package names, split at spaces
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q $PACKAGES
 
 if ! command -v cargo >/dev/null 2>&1; then

@@ -2,12 +2,24 @@
 # Runs ndtrain on this machine under mpirun.
 #   jobscripts/local/train.sh DECK [--set table.key=value ...]
 #   NRANKS=4 jobscripts/local/train.sh inputs/tiny.toml --set parallel.dp_replicate=4
+#
+# Each rank gets its own cores when there are at least as many cores as ranks
+# (--map-by slot:PE=<cores/ranks>: the rank's threads run on its cores; ndtrain starts one
+# thread per core of its affinity mask); with more ranks than cores they share the machine
+# unbound (--bind-to none --oversubscribe). MPIRUN_ARGS replaces this choice.
 set -euo pipefail
 
 NRANKS="${NRANKS:-1}"
 NDTRAIN="${NDTRAIN:-target/release/ndtrain}"
 MPIRUN="${MPIRUN:-mpirun}"
-MPIRUN_ARGS="${MPIRUN_ARGS:---oversubscribe}"
+CORES="$(nproc)"
+if [ -z "${MPIRUN_ARGS:-}" ]; then
+    if [ "$NRANKS" -le "$CORES" ]; then
+        MPIRUN_ARGS="--map-by slot:PE=$((CORES / NRANKS))"
+    else
+        MPIRUN_ARGS="--bind-to none --oversubscribe"
+    fi
+fi
 
 if [ $# -lt 1 ]; then
     echo "usage: $0 DECK [--set table.key=value ...]" >&2

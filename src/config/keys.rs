@@ -9,7 +9,7 @@
 //! of the constraints between values: those live in `validate`.
 
 use super::{CheckpointCfg, ConfigError, DataCfg, Deck, HardwareCfg, LogCfg, ModelCfg, OptimCfg, ParallelCfg};
-use super::{RunCfg, TrainCfg};
+use super::{EvalCfg, RunCfg, TrainCfg};
 use serde::de::{self, DeserializeOwned, Visitor};
 use std::collections::BTreeMap;
 use toml::{Table, Value};
@@ -40,6 +40,7 @@ pub(crate) fn keys_of(table: &str) -> Option<&'static [&'static str]> {
         "train" => fields_of::<TrainCfg>(),
         "optim" => fields_of::<OptimCfg>(),
         "data" => fields_of::<DataCfg>(),
+        "eval" => fields_of::<EvalCfg>(),
         "checkpoint" => fields_of::<CheckpointCfg>(),
         "log" => fields_of::<LogCfg>(),
         "hardware" => fields_of::<HardwareCfg>(),
@@ -312,6 +313,7 @@ fn build(mut root: Table, origins: &Origins) -> Result<Deck, ConfigError> {
         train: section(&mut root, "train", origins)?,
         optim: section(&mut root, "optim", origins)?,
         data: section(&mut root, "data", origins)?,
+        eval: section(&mut root, "eval", origins)?,
         checkpoint: section(&mut root, "checkpoint", origins)?,
         log: section(&mut root, "log", origins)?,
         hardware: section(&mut root, "hardware", origins)?,
@@ -436,7 +438,7 @@ mod tests {
 
     #[test]
     fn every_table_and_key_is_known() {
-        assert_eq!(tables(), ["run", "model", "parallel", "train", "optim", "data", "checkpoint", "log", "hardware"]);
+        assert_eq!(tables(), ["run", "model", "parallel", "train", "optim", "data", "eval", "checkpoint", "log", "hardware"]);
         let defaults = Value::try_from(Deck::default()).unwrap();
         for t in tables() {
             let keys = keys_of(t).unwrap();

@@ -60,7 +60,8 @@ pub struct RunCfg {
     pub seed: u64,
     /// Optimiser steps to take.
     pub steps: u64,
-    /// Compute threads per rank; 0 means the node's cores divided by the ranks on the node.
+    /// Compute threads per rank; 0 means the CPUs of the rank's affinity mask, shared by the
+    /// ranks of its node with the same mask.
     pub threads: usize,
     /// End the job when a rank's training loop makes no progress for this long (seconds;
     /// 0 disables the watchdog).
@@ -70,6 +71,15 @@ pub struct RunCfg {
     /// Stop with a checkpoint (exit 75) before this many seconds since the start would pass
     /// during the next step and a checkpoint; 0 = no limit.
     pub max_walltime: f64,
+    /// Also stop (the same way) before the Slurm or PBS job's own time limit, asked of the
+    /// scheduler at start.
+    pub stop_before_job_end: bool,
+    /// Seconds between the scheduler's stop signal and the job's end (Slurm `--signal=USR1@N`),
+    /// when known: a warning when a step and a checkpoint take longer (0 = unknown).
+    pub signal_lead_time: f64,
+    /// Stop (the same way: checkpoint, exit 75) after this many steps of this job, before
+    /// `steps`; the schedule stays that of the whole run (0 = no such stop).
+    pub stop_after_steps: u64,
 }
 
 /// `[run] device`.
@@ -104,6 +114,9 @@ impl Default for RunCfg {
             watchdog_seconds: 1800.0,
             device: Device::Cpu,
             max_walltime: 0.0,
+            stop_before_job_end: false,
+            signal_lead_time: 0.0,
+            stop_after_steps: 0,
         }
     }
 }
@@ -416,6 +429,35 @@ impl Default for DataCfg {
     }
 }
 
+/// `[eval]`: the held-out (validation) loss.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EvalCfg {
+    /// Evaluate after every this many optimiser steps and after the last (0 = never).
+    pub every: u64,
+    /// Global batches of held-out samples per evaluation.
+    pub batches: usize,
+    /// A token file of the kind `[data] source` reads (an HDF5 file uses `[data] dataset`)
+    /// holding the held-out tokens; empty = a tail of the training source.
+    pub path: String,
+    /// Without `path`: samples at the end of the training source that training never reads
+    /// (0 = what one evaluation reads, `batches × global_batch`).
+    pub tail_samples: u64,
+}
+
+impl Default for EvalCfg {
+    fn default() -> Self {
+        EvalCfg { every: 0, batches: 4, path: String::new(), tail_samples: 0 }
+    }
+}
+
+impl EvalCfg {
+    /// Whether the run evaluates at all.
+    pub fn enabled(&self) -> bool {
+        self.every > 0
+    }
+}
+
 /// `[checkpoint]`: where and how often checkpoints are written, and what to start from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
@@ -494,6 +536,7 @@ pub struct Deck {
     pub train: TrainCfg,
     pub optim: OptimCfg,
     pub data: DataCfg,
+    pub eval: EvalCfg,
     pub checkpoint: CheckpointCfg,
     pub log: LogCfg,
     pub hardware: HardwareCfg,

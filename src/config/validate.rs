@@ -14,7 +14,7 @@
 use super::{ConfigError, Deck, LrScaling, Source};
 
 /// The resolved mesh degrees, outermost to innermost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Layout {
     pub pp: usize,
     pub dp_replicate: usize,
@@ -260,6 +260,7 @@ impl Deck {
         }
         non_negative_finite("run", "watchdog_seconds", self.run.watchdog_seconds)?;
         non_negative_finite("run", "max_walltime", self.run.max_walltime)?;
+        non_negative_finite("run", "signal_lead_time", self.run.signal_lead_time)?;
         at_least_one("run", "steps", self.run.steps)
     }
 
@@ -364,7 +365,26 @@ impl Deck {
                 })?;
             }
         }
-        Ok(())
+        self.check_eval()
+    }
+
+    /// `[eval]`: a batch count when it is on; a held-out file only where the data is a file.
+    fn check_eval(&self) -> Result<(), ConfigError> {
+        let (e, d) = (&self.eval, &self.data);
+        if !e.enabled() {
+            return Ok(());
+        }
+        need(e.batches >= 1, || err(format!("[eval] batches must be ≥ 1 when [eval] every({}) > 0, but it is 0", e.every)))?;
+        need(e.path.is_empty() || d.source != Source::Synthetic, || {
+            err(format!("[eval] path = {:?} is given, but [data] source = \"synthetic\" reads no file", e.path))
+                .with_hint("remove [eval] path: the held-out samples are then a tail of the synthetic stream ([eval] tail_samples)")
+        })?;
+        need(e.path.is_empty() || e.tail_samples == 0, || {
+            err(format!(
+                "[eval] path = {:?} and tail_samples({}) are both given: the held-out samples come from one or the other",
+                e.path, e.tail_samples
+            ))
+        })
     }
 
     /// The degrees for `world_size` ranks, `dp_shard = -1` filled in.

@@ -6,7 +6,8 @@
 //! `(t, global_batch, order, seed)`, so a run resumes at the same place under any layout.
 //! Knows nothing of MPI (a rank is told its `dp_rank`), of context parallelism (it returns
 //! whole sequences; the CP zigzag split is applied by the caller) or of the model. Only
-//! `io::hdf5` touches the `hdf5` crate. `prepare` turns a text file into a token file.
+//! `io::hdf5` touches the `hdf5` crate. `prepare` turns a text file into a token file; `split`
+//! sets the held-out samples of `[eval]` apart from the training ones.
 //!
 //! Legend: `B` micro-batch (sequences per rank per micro-step), `S` sequence length,
 //! `G` global batch (sequences per optimiser step), `dp` data-parallel degree.
@@ -15,6 +16,7 @@ mod bin;
 mod h5;
 mod order;
 pub mod prepare;
+mod split;
 mod synthetic;
 
 use std::fmt;
@@ -23,6 +25,7 @@ use crate::config::{DataCfg, Order, Source};
 
 pub use bin::{BIN_HEADER_INTS, BIN_MAGIC_GPT2, BIN_MAGIC_LLAMA3, BIN_VERSION_GPT2, BIN_VERSION_LLAMA3};
 pub use order::Permutation;
+pub use split::{open_sources, Sources};
 pub use synthetic::SYNTHETIC_SAMPLES;
 
 /// A data error: one line naming the file, the position and the numbers.

@@ -32,6 +32,12 @@ impl fmt::Display for Hdf5Error {
 
 impl std::error::Error for Hdf5Error {}
 
+/// The HDF5 library's version the program runs with (`1.12.2`).
+pub fn library_version() -> String {
+    let (major, minor, micro) = hdf5::library_version();
+    format!("{major}.{minor}.{micro}")
+}
+
 /// The integer type a token dataset is stored as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IntDtype {

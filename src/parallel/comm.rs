@@ -9,7 +9,7 @@
 //! nothing of the model, of what the buffers mean, or of who watches it.
 
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
-use mpi::datatype::Equivalence;
+use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::ffi;
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
@@ -122,6 +122,14 @@ pub fn world_rank() -> usize {
     } else {
         0
     }
+}
+
+/// The MPI library's description of itself (`MPI_Get_library_version`): its first line names
+/// the implementation and version (`Open MPI v4.1.4, …`, `MPICH Version: 4.1`). Any time after
+/// [`Runtime::init`].
+pub fn library_version() -> String {
+    let v = mpi::environment::library_version().unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+    v.trim_end_matches(['\0', '\n', ' ']).to_string()
 }
 
 fn install_abort_on_panic() {
@@ -698,6 +706,21 @@ impl Group {
             data.resize(len[0] as usize, 0);
             proc.broadcast_into(&mut data[..]);
         }
+    }
+
+    /// Every rank's bytes, in rank order, on every rank (not counted in the step's traffic:
+    /// start-up facts such as host names and CPU lists).
+    pub fn all_gather_bytes(&self, mine: &[u8]) -> Vec<Vec<u8>> {
+        if self.size == 1 {
+            return vec![mine.to_vec()];
+        }
+        let mut counts = vec![0i32; self.size];
+        waiting(|| self.comm.all_gather_into(&(mine.len() as i32), &mut counts[..]));
+        let displs: Vec<i32> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let mut all = vec![0u8; counts.iter().map(|&c| c as usize).sum()];
+        let mut parts = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+        waiting(|| self.comm.all_gather_varcount_into(mine, &mut parts));
+        counts.iter().zip(&displs).map(|(&c, &d)| all[d as usize..(d + c) as usize].to_vec()).collect()
     }
 
     /// The MPI communicator, for libraries that take one (parallel HDF5's MPI-IO driver).

@@ -1,12 +1,16 @@
 //! Run control, in one place: the checks every rank makes before the first collective
-//! (`preflight`), stop signals (`preempt`), the watchdog that ends a stalled job (`watchdog`)
-//! and the debug options that inject faults for tests (`faults`). The exit codes they end a
-//! run with are `crate::exit`'s; `docs/reliability.md` describes the policy. This file: the
-//! error a run returns, and a failure every rank agreed on.
+//! (`preflight`), stop signals (`preempt`), the watchdog that ends a stalled job (`watchdog`),
+//! the debug options that inject faults for tests (`faults`) and the record of what a run was
+//! and did (`provenance`: `run.json`). The exit codes they end a run with are `crate::exit`'s;
+//! `docs/reliability.md` describes the policy. This file: the error a run returns, and a
+//! failure every rank agreed on.
 
 pub mod faults;
+pub mod job_limit;
+pub mod placement;
 pub mod preempt;
 pub mod preflight;
+pub mod provenance;
 pub mod watchdog;
 
 /// An error that ends a run on this rank (the command line aborts the job with it).

@@ -36,6 +36,25 @@ pub fn process_start() -> Instant {
     *START.get_or_init(Instant::now)
 }
 
+static JOB_END: OnceLock<f64> = OnceLock::new();
+
+/// Records when the batch job ends, in seconds after [`process_start`] (`[run]
+/// stop_before_job_end`).
+pub fn set_job_end(at_s: f64) {
+    let _ = JOB_END.set(at_s);
+}
+
+/// The limit the run stops before, in seconds after [`process_start`] (0: none), and what it
+/// is: the tighter of `[run] max_walltime` (0: none) and the batch job's end.
+pub fn limit(max_walltime: f64) -> (f64, String) {
+    match JOB_END.get() {
+        Some(&end) if max_walltime <= 0.0 || end < max_walltime => {
+            (end, format!("the batch job's time limit ({end:.0} s after the start)"))
+        }
+        _ => (max_walltime, format!("[run] max_walltime = {max_walltime} s")),
+    }
+}
+
 /// `[run] max_walltime = limit_s` (0: none): whether, `elapsed_s` into the job, the next step
 /// (`next_step_s`) and then a checkpoint (`checkpoint_s`) would end past the limit — so the
 /// checkpoint must be written now.

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::Resolved;
-use crate::data::{open_source, Loader};
+use crate::data::{open_sources, Loader};
 use crate::io::checkpoint as ckpt;
 use crate::parallel::mesh::Coords;
 
@@ -66,17 +66,27 @@ fn resume_point(res: &Resolved) -> Result<Option<u64>, String> {
 
 /// Opens the data and reads this rank's micro-batches of the first step it will train: the
 /// file's header, size and dtype, the loader's geometry and those samples' token ids (every id
-/// below `[model] vocab_size`) are checked. Later samples are checked as they are read.
+/// below `[model] vocab_size`) are checked, and the same for the first held-out batch of
+/// `[eval]`. Later samples are checked as they are read.
 fn first_samples(res: &Resolved, world_rank: usize, step: u64) -> Result<(), String> {
     let deck = &res.deck;
     let (mcfg, tcfg) = (&deck.model, &deck.train);
-    let source = open_source(&deck.data, mcfg.vocab_size, deck.run.seed).map_err(|e| e.to_string())?;
+    let sources =
+        open_sources(&deck.data, &deck.eval, mcfg.vocab_size, deck.run.seed, tcfg.seq_len, res.global_batch).map_err(|e| e.to_string())?;
     let dp_rank = Coords::of_rank(world_rank, &res.layout).dp_rank(&res.layout);
-    let loader = Loader::new(&deck.data, source, tcfg.seq_len, tcfg.micro_batch, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed)
-        .map_err(|e| e.to_string())?;
+    let loader = |data: &crate::config::DataCfg, source| {
+        Loader::new(data, source, tcfg.seq_len, tcfg.micro_batch, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed)
+            .map_err(|e| e.to_string())
+    };
+    let train = loader(&deck.data, sources.train)?;
+    let held_out = sources.held_out.map(|src| loader(&deck.data, src)).transpose()?;
     if step < deck.run.steps {
         for micro in 0..res.grad_accum {
-            loader.micro_batch(step, micro).map_err(|e| e.to_string())?;
+            train.micro_batch(step, micro).map_err(|e| e.to_string())?;
+            // The first held-out batch (every evaluation reads the same ones).
+            if let Some(h) = &held_out {
+                h.micro_batch(0, micro).map_err(|e| format!("[eval]: {e}"))?;
+            }
         }
     }
     Ok(())

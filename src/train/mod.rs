@@ -45,6 +45,21 @@ pub struct RunSummary {
     pub preempted: bool,
     /// Steps whose update `on_nonfinite = "skip"` skipped.
     pub skipped_steps: u64,
+    /// Steps taken before this invocation (the checkpoint it resumed from; 0 when fresh): the
+    /// steps it ran are `first_step + 1 ..= first_step + losses.len()`.
+    pub first_step: u64,
+    /// The validation loss after the last step, where the run measured one.
+    pub final_val_loss: Option<f64>,
+    /// Tokens per step of the whole job.
+    pub tokens_per_step: usize,
+    pub flops_per_token: f64,
+    /// The rate MFU is stated against, per rank.
+    pub peak_flops: f64,
+    pub world_size: usize,
+    /// The checkpoints this invocation wrote: step and file.
+    pub checkpoints: Vec<(u64, PathBuf)>,
+    /// The training loop's wall time, from its first step to the summary, seconds.
+    pub train_s: f64,
 }
 
 /// The FLOP rate per rank MFU is stated against, and where it comes from.
@@ -76,7 +91,9 @@ pub fn train<B: Backend<f32> + Clone>(
         if run.checkpoint_due(s1) {
             run.checkpoint(s1, &mut out.phases)?;
         }
-        run.log(s1, &out, start)?;
+        // No held-out loss on the way out: the stop may be short of time.
+        let val_loss = if stop.is_none() { run.evaluate_if_due(s1, &mut out.phases)? } else { None };
+        run.log(s1, &out, start, val_loss)?;
         if let Some(why) = stop {
             say!("{why}: checkpoint of step {s1} written; exiting with code {} so the job can be requeued", crate::exit::PREEMPTED);
             break;
@@ -106,6 +123,8 @@ struct Run<'g, B: Backend<f32>> {
     run_start: Instant,
     /// Per step: the loss, the training time (no checkpoint, no logging).
     losses: Vec<f64>,
+    /// The held-out losses computed so far, with their step.
+    val_losses: Vec<(u64, f64)>,
     step_times: Vec<f64>,
     totals: PhaseTimes,
     /// Time spent writing the previous step's logs (the timing log's `log_s`).
@@ -114,6 +133,8 @@ struct Run<'g, B: Backend<f32>> {
     last_line: Instant,
     skipped: u64,
     preempted: bool,
+    /// The checkpoints written so far: step and file.
+    written: Vec<(u64, PathBuf)>,
     /// For `[run] max_walltime`: the last step boundary, the longest a step took from one
     /// boundary to the next (its checkpoint left out), the checkpoint time since the last
     /// boundary, and the last checkpoint's time.
@@ -121,6 +142,8 @@ struct Run<'g, B: Backend<f32>> {
     slowest_step_s: f64,
     ckpt_since_boundary_s: f64,
     last_ckpt_s: Option<f64>,
+    /// The stop-signal lead-time warning was printed.
+    lead_warned: bool,
     debug_delay: Option<Duration>,
     fail: Option<Fault>,
     hang: Option<Fault>,
@@ -155,10 +178,10 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         let mut ckpt_log = rank0.then(|| CheckpointIoLog::create(&out_dir.join("checkpoint_io.csv"), resumed_at)).transpose()?;
         let first_step = checkpointing::load(&mut state, &candidates, res, mesh, &mut ckpt_log, (load_start, rss_before_load))?;
 
-        let source = Trainer::<B>::open_data(res)?;
-        let entropy_floor = source.entropy_floor(deck.train.seq_len);
-        summary::say_data(source.as_ref(), entropy_floor);
-        let trainer = Trainer::new(be, comms, res, mesh, state, source)?;
+        let sources = Trainer::<B>::open_data(res)?;
+        let entropy_floor = sources.train.entropy_floor(deck.train.seq_len);
+        summary::say_data(&sources, entropy_floor);
+        let trainer = Trainer::new(be, comms, res, mesh, state, sources)?;
         summary::warn_if_data_wraps(res, trainer.loader.samples_per_epoch());
 
         let metrics = rank0.then(|| MetricsCsv::create(&out_dir.join("metrics.csv"), first_step)).transpose()?;
@@ -186,6 +209,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             entropy_floor,
             run_start: Instant::now(),
             losses: Vec::with_capacity(steps as usize),
+            val_losses: vec![],
             step_times: vec![],
             totals: PhaseTimes::default(),
             last_log_s: 0.0,
@@ -194,8 +218,10 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             slowest_step_s: 0.0,
             ckpt_since_boundary_s: 0.0,
             last_ckpt_s: None,
+            lead_warned: false,
             skipped: 0,
             preempted: false,
+            written: vec![],
             debug_delay: faults::step_delay()?,
             fail: faults::fault(faults::FAIL_ENV)?,
             hang: faults::fault(faults::HANG_ENV)?,
@@ -241,22 +267,37 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         let step_s = (t - self.last_boundary).as_secs_f64() - std::mem::take(&mut self.ckpt_since_boundary_s);
         self.slowest_step_s = self.slowest_step_s.max(step_s);
         self.last_boundary = t;
-        let limit = self.res.deck.run.max_walltime;
+        let (limit, what) = preempt::limit(self.res.deck.run.max_walltime);
         let elapsed = preempt::process_start().elapsed().as_secs_f64();
         // Until a checkpoint has been timed, one is taken to cost as much as a step.
         let ckpt_s = self.last_ckpt_s.unwrap_or(self.slowest_step_s);
         let walltime = s1 < self.steps && preempt::walltime_exceeded(limit, elapsed, self.slowest_step_s, ckpt_s);
-        let mut stop = [preempt::requested() as u64, walltime as u64];
+        let lead = self.res.deck.run.signal_lead_time;
+        if lead > 0.0 && !self.lead_warned && self.slowest_step_s + ckpt_s > lead {
+            self.lead_warned = true;
+            say!(
+                "warning: a step (up to {:.1} s) and a checkpoint (~{ckpt_s:.1} s) take longer than the scheduler's stop-signal \
+                 lead time ([run] signal_lead_time = {lead} s): a job stopped by that signal may be killed before its \
+                 checkpoint is complete; ask for the signal earlier (sbatch --signal=USR1@{:.0}) or set [run] \
+                 stop_before_job_end = true",
+                self.slowest_step_s,
+                2.0 * (self.slowest_step_s + ckpt_s).ceil()
+            );
+        }
+        let quota = self.res.deck.run.stop_after_steps;
+        let quota_done = quota > 0 && s1 < self.steps && s1 - self.first_step >= quota;
+        let mut stop = [preempt::requested() as u64, walltime as u64, quota_done as u64];
         self.mesh.world.agree_max_u64(&mut stop);
         pt[Phase::Wait] += t.elapsed().as_secs_f64();
-        self.preempted = stop != [0, 0];
+        self.preempted = stop != [0, 0, 0];
         match stop {
-            [1, _] => Some("stop signal (SIGTERM/SIGUSR1)".into()),
-            [_, 1] => Some(format!(
-                "[run] max_walltime = {limit} s: {elapsed:.1} s in, a step (up to {:.2} s) and a checkpoint (~{ckpt_s:.2} s) \
+            [1, _, _] => Some("stop signal (SIGTERM/SIGUSR1)".into()),
+            [_, 1, _] => Some(format!(
+                "{what}: {elapsed:.1} s in, a step (up to {:.2} s) and a checkpoint (~{ckpt_s:.2} s) \
                  would end past it",
                 self.slowest_step_s
             )),
+            [_, _, 1] => Some(format!("[run] stop_after_steps = {quota}: this job's share of the run is done")),
             _ => None,
         }
     }
@@ -276,11 +317,28 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         pt[Phase::Checkpoint] += secs;
         self.ckpt_since_boundary_s += secs;
         self.last_ckpt_s = Some(secs);
+        self.written.push((s1, self.ckpt_dir.join(ckpt::file_name(s1))));
         Ok(())
     }
 
+    /// The held-out loss after step `s1`: every `[eval] every` steps and after the last.
+    fn evaluate_if_due(&mut self, s1: u64, pt: &mut PhaseTimes) -> Result<Option<f64>, Error> {
+        let eval = &self.res.deck.eval;
+        if !self.trainer.evaluates() || !(s1 % eval.every == 0 || s1 == self.steps) {
+            return Ok(None);
+        }
+        beat(|| format!("step {s1}: held-out loss"));
+        let t = Instant::now();
+        let loss = self.trainer.evaluate(eval.batches)?;
+        let secs = t.elapsed().as_secs_f64();
+        pt[Phase::Eval] += secs;
+        say!("  eval after step {s1}: val_loss {loss:.6} over {} held-out batch(es) ({secs:.2} s)", eval.batches);
+        self.val_losses.push((s1, loss));
+        Ok(Some(loss))
+    }
+
     /// The step's row of the timing log and of `metrics.csv`, and its console line.
-    fn log(&mut self, s1: u64, out: &StepOutcome, start: Instant) -> Result<(), Error> {
+    fn log(&mut self, s1: u64, out: &StepOutcome, start: Instant, val_loss: Option<f64>) -> Result<(), Error> {
         let step_s = start.elapsed().as_secs_f64();
         self.totals.add(&out.phases);
         let t_log = Instant::now();
@@ -317,6 +375,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             step_s: train_s,
             elapsed_s: elapsed,
             world,
+            val_loss,
         };
         if let Some(m) = self.metrics.as_mut() {
             m.append(&rec)?;
@@ -366,6 +425,14 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             mean_step_s: self.step_times.iter().sum::<f64>() / self.step_times.len().max(1) as f64,
             preempted: self.preempted,
             skipped_steps: self.skipped,
+            first_step: self.first_step,
+            final_val_loss: self.val_losses.last().map(|&(_, l)| l),
+            tokens_per_step: self.res.tokens_per_step,
+            flops_per_token: self.flops_per_token,
+            peak_flops: self.peak,
+            world_size: self.mesh.world.size(),
+            checkpoints: self.written,
+            train_s: total_s,
         })
     }
 }

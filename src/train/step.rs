@@ -10,7 +10,7 @@
 use super::state::{ModelState, Start};
 use crate::backend::Backend;
 use crate::config::{ActCkpt, OnNonFinite, OptimCfg, PpSchedule, Resolved};
-use crate::data::{open_source, Loader, TokenSource};
+use crate::data::{open_sources, Loader, Sources};
 use crate::metrics::{Phase, PhaseTimes};
 use crate::model::hooks::{AttentionSchedule, Hooks, TensorParallel};
 use crate::model::params::Dims;
@@ -26,6 +26,8 @@ use crate::run::watchdog::beat;
 use crate::run::{AgreedFailure, Error};
 use crate::say;
 use std::time::Instant;
+
+mod evaluate;
 
 /// A micro-batch as this rank uses it: its index, this cp rank's inputs and targets, and
 /// their global positions.
@@ -103,6 +105,8 @@ pub struct Trainer<'g, B: Backend<f32>> {
     pieces: Pieces<'g, B>,
     pub state: ModelState<'g, B>,
     pub loader: Loader,
+    /// The held-out samples `[eval]` names, in sequential order.
+    held_out: Option<Loader>,
     mesh: &'g Mesh,
     comms: MeshCollectives<'g, B::Buf>,
     tp: Megatron<'g, B::Buf>,
@@ -120,21 +124,26 @@ pub struct Trainer<'g, B: Backend<f32>> {
 
 impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
     /// Everything one rank needs to step `res` on `be`, with the state `state` (initialised or
-    /// loaded) and the data `source`.
+    /// loaded) and the data `sources`.
     pub fn new(
         be: B,
         comms: MeshCollectives<'g, B::Buf>,
         res: &Resolved,
         mesh: &'g Mesh,
         state: ModelState<'g, B>,
-        source: Box<dyn TokenSource>,
+        sources: Sources,
     ) -> Result<Self, Error> {
         let deck = &res.deck;
         let (tcfg, p) = (&deck.train, &deck.parallel);
         let (dims, chunks) = rank_pieces(res, mesh);
         let dp_rank = mesh.coords.dp_rank(&res.layout);
         let (s, mb) = (tcfg.seq_len, tcfg.micro_batch);
-        let loader = Loader::new(&deck.data, source, s, mb, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed)?;
+        let loader = Loader::new(&deck.data, sources.train, s, mb, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed)?;
+        let sequential = crate::config::DataCfg { order: crate::config::Order::Sequential, ..deck.data.clone() };
+        let held_out = sources
+            .held_out
+            .map(|src| Loader::new(&sequential, src, s, mb, res.global_batch, res.layout.dp(), dp_rank, deck.run.seed))
+            .transpose()?;
         let v = chunks.len();
         // Without a pipeline, 1F1B on one stage is forward and backward of each micro-batch.
         let schedule = if mesh.pp.size() == 1 { PpSchedule::OneFOneB } else { p.pp_schedule };
@@ -155,6 +164,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             pieces,
             state,
             loader,
+            held_out,
             mesh,
             tp: Megatron { group: comms.tp, sequence_parallel: p.sequence_parallel },
             attention: crate::parallel::cp::attention_schedule(comms.cp),
@@ -181,10 +191,12 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         Self::new(be, comms, res, mesh, state, Self::open_data(res)?)
     }
 
-    /// Opens the deck's data source (the same on every rank) for [`Trainer::new`].
-    pub fn open_data(res: &Resolved) -> Result<Box<dyn TokenSource>, Error> {
+    /// Opens the deck's data (the same on every rank) for [`Trainer::new`]: the training
+    /// source and the held-out one of `[eval]`.
+    pub fn open_data(res: &Resolved) -> Result<Sources, Error> {
         let deck = &res.deck;
-        Ok(open_source(&deck.data, deck.model.vocab_size, deck.run.seed)?)
+        let (m, t) = (&deck.model, &deck.train);
+        Ok(open_sources(&deck.data, &deck.eval, m.vocab_size, deck.run.seed, t.seq_len, res.global_batch)?)
     }
 
     /// Optimiser step `step` (0-based): micro-steps, reductions, clipping, AdamW.

@@ -1,20 +1,24 @@
 //! What the loop tells people at the start and the end of a run (rank 0's console), and the
 //! end-of-run duties: the LAMMPS-style table of each phase across ranks, the tensor-parallel
-//! invariant, the Hugging Face export.
+//! invariant, the Hugging Face export; and the results `run.json` records.
 
 use super::state::ModelState;
-use super::Peak;
+use super::{Peak, RunSummary};
 use crate::backend::Backend;
 use crate::config::{ActCkpt, Deck, Resolved};
-use crate::data::TokenSource;
+use crate::data::Sources;
 use crate::metrics::{Phase, PhaseTimes};
 use crate::parallel::mesh::Mesh;
+use crate::run::provenance::{CheckpointWritten, Results};
 use crate::run::Error;
 use crate::say;
 use std::path::Path;
 
-pub(super) fn say_data(source: &dyn TokenSource, floor: Option<f64>) {
-    say!("data: {}", source.describe());
+pub(super) fn say_data(sources: &Sources, floor: Option<f64>) {
+    say!("data: {}", sources.train.describe());
+    if let Some(h) = &sources.held_out {
+        say!("data: {}", h.describe());
+    }
     if let Some(f) = floor {
         say!("data: entropy floor {f:.4} nats/token (the best loss any model can reach)");
     }
@@ -148,5 +152,33 @@ pub(super) fn say_closing(deck: &Deck, skipped: u64, activation_bytes: usize) {
     let ckpt = deck.train.activation_checkpointing;
     if ckpt != ActCkpt::None {
         say!("activation checkpointing: {} ({:.1} MiB held)", ckpt.name(), activation_bytes as f64 / 1048576.0);
+    }
+}
+
+impl RunSummary {
+    /// What `run.json` records of the run: the steps, the last losses, the mean step time and
+    /// the throughput and MFU it gives, the checkpoints written.
+    pub fn results(&self) -> Results {
+        let steps_run = self.losses.len() as u64;
+        let ran = steps_run > 0;
+        let finite = |x: f64| Some(x).filter(|x| x.is_finite());
+        let tokens_per_s = if ran { finite(self.tokens_per_step as f64 / self.mean_step_s) } else { None };
+        Results {
+            steps_run,
+            first_step: ran.then_some(self.first_step + 1),
+            last_step: ran.then_some(self.first_step + steps_run),
+            resumed_from_step: self.first_step,
+            final_loss: self.losses.last().copied().and_then(finite),
+            final_val_loss: self.final_val_loss.and_then(finite),
+            mean_step_s: if ran { finite(self.mean_step_s) } else { None },
+            tokens_per_s,
+            mfu: tokens_per_s.and_then(|t| finite(t * self.flops_per_token / (self.peak_flops * self.world_size as f64))),
+            flops_per_token: self.flops_per_token,
+            peak_flops_per_rank: self.peak_flops,
+            skipped_steps: self.skipped_steps,
+            checkpoints_written: self.checkpoints.len(),
+            checkpoints: self.checkpoints.iter().map(|(step, path)| CheckpointWritten { step: *step, path: path.clone() }).collect(),
+            train_s: self.train_s,
+        }
     }
 }

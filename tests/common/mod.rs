@@ -247,3 +247,14 @@ pub fn mpirun_tiny(n: usize, out: &Path, sets: &[&str]) -> Command {
 pub fn steps_done(out: &Path) -> usize {
     std::fs::read_to_string(out.join("metrics.csv")).map(|s| s.lines().count().saturating_sub(1)).unwrap_or(0)
 }
+
+/// Sends SIGTERM to each of the `ranks` rank processes `mpirun` (`launcher`) started — as a
+/// scheduler signals the tasks, not the launcher — and returns their pids.
+pub fn term_ranks(launcher: u32, ranks: usize) -> Vec<i32> {
+    let pids = children(launcher);
+    assert_eq!(pids.len(), ranks, "mpirun's children: {pids:?}");
+    for pid in &pids {
+        assert!(Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
+    }
+    pids
+}

@@ -1,7 +1,8 @@
 //! The CPU features this binary was compiled to use, against those of the CPU it runs on. A
 //! binary built for a newer CPU (`-C target-cpu=native` on a login node of another generation)
-//! would otherwise die of SIGILL somewhere in its first kernel; checked first thing instead, it
-//! ends with one line naming the missing features (as GROMACS checks its SIMD level at start).
+//! would otherwise die of SIGILL somewhere in its first instructions; checked before `main`
+//! instead (in `cpu_check.c`, built for baseline x86-64 by `build.rs`), it ends with one line
+//! naming the missing features (as GROMACS checks its SIMD level at start).
 
 /// The x86-64 features a `-C target-cpu` can switch on that the kernels and the compiler's
 /// code may use, each with whether this build may use it.
@@ -46,67 +47,28 @@ pub fn compiled() -> Vec<&'static str> {
     COMPILED.iter().filter(|(_, on)| *on).map(|(name, _)| *name).collect()
 }
 
-/// Whether the running CPU has `feature` (one of [`COMPILED`]'s names).
 #[cfg(target_arch = "x86_64")]
-fn detected(feature: &str) -> bool {
-    use std::arch::is_x86_feature_detected as has;
-    match feature {
-        "sse4.2" => has!("sse4.2"),
-        "popcnt" => has!("popcnt"),
-        "avx" => has!("avx"),
-        "avx2" => has!("avx2"),
-        "fma" => has!("fma"),
-        "bmi1" => has!("bmi1"),
-        "bmi2" => has!("bmi2"),
-        "f16c" => has!("f16c"),
-        "lzcnt" => has!("lzcnt"),
-        "movbe" => has!("movbe"),
-        "avx512f" => has!("avx512f"),
-        "avx512bw" => has!("avx512bw"),
-        "avx512cd" => has!("avx512cd"),
-        "avx512dq" => has!("avx512dq"),
-        "avx512vl" => has!("avx512vl"),
-        "avx512vnni" => has!("avx512vnni"),
-        "avx512bf16" => has!("avx512bf16"),
-        "avx512vbmi" => has!("avx512vbmi"),
-        "avx512vbmi2" => has!("avx512vbmi2"),
-        "avx512bitalg" => has!("avx512bitalg"),
-        "avx512vpopcntdq" => has!("avx512vpopcntdq"),
-        "avx512ifma" => has!("avx512ifma"),
-        "gfni" => has!("gfni"),
-        "vaes" => has!("vaes"),
-        "vpclmulqdq" => has!("vpclmulqdq"),
-        _ => false,
-    }
+extern "C" {
+    /// Set by the check in `cpu_check.c`, which the loader runs before `main`.
+    static ndtrain_cpu_check_passed: std::ffi::c_int;
+    #[cfg(test)]
+    fn ndtrain_cpu_has(name: *const std::ffi::c_char) -> std::ffi::c_int;
+}
+
+/// Whether the start-up check passed. It runs in C before `main` (`cpu_check.c`, compiled for
+/// baseline x86-64): the Rust code, this function included, is compiled for the build's level
+/// and could already fault on a CPU without it. A CPU that lacks a feature never gets here:
+/// the check prints one line naming the missing features (and what the build uses) and ends
+/// the process with code 2. Calling this keeps the check linked into every binary.
+#[cfg(target_arch = "x86_64")]
+pub fn check_passed() -> bool {
+    // SAFETY: a C int written once, by the constructor, before any Rust code runs.
+    unsafe { std::ptr::read_volatile(&raw const ndtrain_cpu_check_passed) != 0 }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn detected(_feature: &str) -> bool {
+pub fn check_passed() -> bool {
     true
-}
-
-/// The compiled-in features `has` says the CPU lacks.
-fn missing(has: impl Fn(&str) -> bool) -> Vec<&'static str> {
-    compiled().into_iter().filter(|f| !has(f)).collect()
-}
-
-/// Ok when this CPU has every feature the build may use; else the one line to end with.
-pub fn check() -> Result<(), String> {
-    let injected = std::env::var(CPU_FEATURES_ENV).ok();
-    let lacking = match &injected {
-        Some(list) => missing(|f| list.split(',').any(|g| g.trim() == f)),
-        None => missing(detected),
-    };
-    if lacking.is_empty() {
-        return Ok(());
-    }
-    Err(format!(
-        "this ndtrain was built for CPU features this CPU lacks: {} (built for: {}). Rebuild on this \
-         machine's CPU type, or with the portable default (`cargo build --release` without RUSTFLAGS: x86-64-v3, \
-         AVX2 + FMA), or for the oldest CPU of the cluster (e.g. RUSTFLAGS=\"-C target-cpu=x86-64-v3\")",
-        lacking.join(" "),
-        compiled().join(" ")
-    ))
 }
 
 /// The features of the x86-64 microarchitecture levels, each beyond the one below.
@@ -137,18 +99,49 @@ pub fn build_target() -> String {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
 
+    /// The C check reads CPUID and XGETBV itself: it agrees with the standard library's
+    /// detection on every feature the table names.
     #[test]
-    fn a_cpu_without_a_compiled_feature_is_named() {
-        // This build's own CPU has what it was built for.
-        assert!(missing(detected).is_empty(), "{:?}", missing(detected));
-        // A CPU reporting nothing lacks everything the build uses.
-        assert_eq!(missing(|_| false), compiled());
-        if compiled().contains(&"avx2") {
-            assert!(missing(|f| f != "avx2").contains(&"avx2"));
+    fn the_start_up_check_sees_the_features_the_standard_library_sees() {
+        use std::arch::is_x86_feature_detected as has;
+        let std_says = |f: &str| match f {
+            "sse4.2" => has!("sse4.2"),
+            "popcnt" => has!("popcnt"),
+            "avx" => has!("avx"),
+            "avx2" => has!("avx2"),
+            "fma" => has!("fma"),
+            "bmi1" => has!("bmi1"),
+            "bmi2" => has!("bmi2"),
+            "f16c" => has!("f16c"),
+            "lzcnt" => has!("lzcnt"),
+            "movbe" => has!("movbe"),
+            "avx512f" => has!("avx512f"),
+            "avx512bw" => has!("avx512bw"),
+            "avx512cd" => has!("avx512cd"),
+            "avx512dq" => has!("avx512dq"),
+            "avx512vl" => has!("avx512vl"),
+            "avx512vnni" => has!("avx512vnni"),
+            "avx512bf16" => has!("avx512bf16"),
+            "avx512vbmi" => has!("avx512vbmi"),
+            "avx512vbmi2" => has!("avx512vbmi2"),
+            "avx512bitalg" => has!("avx512bitalg"),
+            "avx512vpopcntdq" => has!("avx512vpopcntdq"),
+            "avx512ifma" => has!("avx512ifma"),
+            "gfni" => has!("gfni"),
+            "vaes" => has!("vaes"),
+            "vpclmulqdq" => has!("vpclmulqdq"),
+            other => panic!("no standard detection named for {other}"),
+        };
+        for (name, _) in COMPILED {
+            let c_name = std::ffi::CString::new(*name).unwrap();
+            // SAFETY: a NUL-terminated string, read only.
+            let c_says = unsafe { ndtrain_cpu_has(c_name.as_ptr()) } != 0;
+            assert_eq!(c_says, std_says(name), "{name}");
         }
+        assert!(check_passed(), "this build runs on its build machine");
     }
 }

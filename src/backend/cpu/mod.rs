@@ -41,16 +41,6 @@ pub fn round_bf16(x: f32) -> f32 {
     f32::from_bits((u.wrapping_add(0x7fff + ((u >> 16) & 1))) & 0xffff_0000)
 }
 
-/// Threads for this rank: the deck's `[run] threads`, or the node's cores shared among the
-/// node's ranks.
-pub fn threads_for_rank(requested: usize, ranks_on_node: usize) -> usize {
-    if requested > 0 {
-        return requested;
-    }
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    (cores / ranks_on_node.max(1)).max(1)
-}
-
 /// Runs the host kernels on `threads` threads: rayon's global pool and the GEMM's share. A
 /// second global pool cannot be built: a process that trains twice (tests) keeps the first.
 pub fn use_threads(threads: usize) {

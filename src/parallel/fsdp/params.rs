@@ -15,6 +15,8 @@ use crate::parallel::comm::Ticket;
 pub enum Pass {
     Forward,
     Backward,
+    /// A forward with no backward to follow (the held-out loss): every block is freed after use.
+    Evaluate,
 }
 
 /// The rank's parameter shards and the gathered copies the model reads.
@@ -184,6 +186,13 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
         }
     }
 
+    /// Gathers the global tensors for a forward pass without a backward (evaluation); end it
+    /// with [`Self::end_micro_step`].
+    pub fn begin_evaluation(&mut self) {
+        self.pass = Pass::Evaluate;
+        self.ensure_globals();
+    }
+
     /// Enters the backward pass (the global tensors gathered).
     pub fn begin_backward(&mut self) {
         self.pass = Pass::Backward;
@@ -241,7 +250,7 @@ impl<B: Backend<f32> + Clone> WeightSource<B::Buf> for FsdpParams<'_, B> {
         }
         // Overlap: the block the model will ask for next is gathered while this one computes.
         match self.pass {
-            Pass::Forward => self.start_prefetch(l + 1),
+            Pass::Forward | Pass::Evaluate => self.start_prefetch(l + 1),
             Pass::Backward => {
                 if l > 0 {
                     self.start_prefetch(l - 1)

@@ -252,10 +252,12 @@ impl Figure for LossFigure<'_> {
     {
         let (plot, legend) = chart_and_legend(root)?;
         // A diverged run logs inf or NaN losses: they are left out of the axes and the lines.
-        let finite = |r: &'_ RunStats| r.loss_curve.iter().copied().filter(|p| p.1.is_finite()).collect::<Vec<_>>();
-        let curves: Vec<Vec<(f64, f64)>> = self.runs.iter().map(finite).collect();
+        let finite = |c: &[(f64, f64)]| c.iter().copied().filter(|p| p.1.is_finite()).collect::<Vec<_>>();
+        let curves: Vec<Vec<(f64, f64)>> = self.runs.iter().map(|r| finite(&r.loss_curve)).collect();
+        let held_out: Vec<Vec<(f64, f64)>> = self.runs.iter().map(|r| finite(&r.val_curve)).collect();
         let (x_lo, x_hi, y_lo, y_hi) = curves
             .iter()
+            .chain(&held_out)
             .flatten()
             .fold((f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY, f64::NEG_INFINITY), |(x0, x1, y0, y1), &(s, l)| {
                 (x0.min(s), x1.max(s), y0.min(l), y1.max(l))
@@ -263,7 +265,10 @@ impl Figure for LossFigure<'_> {
         let (x_lo, x_hi) = if x_lo.is_finite() { (x_lo, x_hi.max(x_lo + 1.0)) } else { (0.0, 1.0) };
         let (y_lo, y_hi) = if y_lo.is_finite() { padded(y_lo, y_hi, 0.05) } else { (0.0, 1.0) };
         let mut chart = ChartBuilder::on(&plot)
-            .caption("Training loss", title_font())
+            .caption(
+                if held_out.iter().any(|c| !c.is_empty()) { "Training loss (lines), held-out loss (dots)" } else { "Training loss" },
+                title_font(),
+            )
             .margin(20)
             .x_label_area_size(60)
             .y_label_area_size(80)
@@ -283,6 +288,10 @@ impl Figure for LossFigure<'_> {
         for (i, curve) in curves.iter().enumerate() {
             let width = 2 + 3 * (n - 1 - i) as u32;
             chart.draw_series(LineSeries::new(curve.iter().map(|&(s, l)| (s as i64, l)), color(i).stroke_width(width)))?;
+        }
+        for (i, points) in held_out.iter().enumerate() {
+            let radius = 4 + 2 * (n - 1 - i) as i32;
+            chart.draw_series(points.iter().map(|&(s, l)| Circle::new((s as i64, l), radius, color(i).filled())))?;
         }
         let entries: Vec<(String, RGBColor)> = self.runs.iter().enumerate().map(|(i, r)| (r.name.clone(), color(i))).collect();
         draw_legend(&legend, "run", &entries)

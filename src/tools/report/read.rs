@@ -48,6 +48,19 @@ impl CsvTable {
         self.rows.iter().map(|(line, fields)| parse_field(&self.path, *line, name, &fields[i])).collect()
     }
 
+    /// Column `name` where it has values: `None` for an empty field (a step without one),
+    /// and for every row when the header has no such column (a log of an older run).
+    pub(super) fn sparse_column(&self, name: &str) -> Result<Vec<Option<f64>>, String> {
+        let Some(i) = self.index_of(name) else { return Ok(vec![None; self.rows.len()]) };
+        self.rows
+            .iter()
+            .map(|(line, fields)| match fields[i].as_str() {
+                "" => Ok(None),
+                f => parse_field(&self.path, *line, name, f).map(Some),
+            })
+            .collect()
+    }
+
     /// The `step` column as integers, one per row.
     pub(super) fn steps(&self) -> Result<Vec<u64>, String> {
         Ok(self.column("step")?.into_iter().map(|s| s as u64).collect())

@@ -72,6 +72,8 @@ pub(super) struct RunStats {
     pub(super) timing: TimingStats,
     /// `(step, loss)` of every logged step.
     pub(super) loss_curve: Vec<(f64, f64)>,
+    /// `(step, held-out loss)` of the steps `[eval]` evaluated after.
+    pub(super) val_curve: Vec<(f64, f64)>,
 }
 
 impl RunStats {
@@ -79,6 +81,7 @@ impl RunStats {
         let metrics = &log.metrics;
         let steps = metrics.steps()?;
         let losses = metrics.column("loss")?;
+        let val_losses = metrics.sparse_column("val_loss")?;
         let step_s = metrics.column("step_s")?;
         let mfu = match metrics.index_of("mfu") {
             Some(_) => median(steady(&metrics.column("mfu")?)),
@@ -102,6 +105,7 @@ impl RunStats {
             mfu,
             timing,
             loss_curve: steps.iter().zip(&losses).map(|(&s, &l)| (s as f64, l)).collect(),
+            val_curve: steps.iter().zip(&val_losses).filter_map(|(&s, l)| Some((s as f64, (*l)?))).collect(),
         })
     }
 
