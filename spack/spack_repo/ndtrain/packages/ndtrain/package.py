@@ -7,6 +7,8 @@ A Spack 1.x package repository (layout `api: v2`): add it with
 been verified.
 """
 
+import os
+
 from spack_repo.builtin.build_systems.cargo import CargoPackage
 
 from spack.package import *
@@ -53,10 +55,17 @@ class Ndtrain(CargoPackage):
 
     homepage = "https://github.com/ndtrain/ndtrain"
     git = "https://github.com/ndtrain/ndtrain.git"
+    # Release tarballs are made by spack/make-release.sh (every crate vendored: they build
+    # offline). PLACEHOLDER HOST: no public release address exists yet; a centre puts the
+    # tarball into a Spack source mirror as <mirror>/ndtrain/ndtrain-<version>.tar.gz
+    # (spack/README.md), where Spack looks before this url.
+    url = "https://releases.invalid/ndtrain/ndtrain-0.1.0.tar.gz"
 
     license("Apache-2.0")
 
     version("main", branch="main")
+    # The tarball spack/make-release.sh makes of commit 957bf13b2f8a (see spack/README.md).
+    version("0.1.0", sha256="7a3a634f07ee9a5455d8b42be86d6eab8279e5ce370b878f6df44ab09f14489c")
 
     variant("cuda", default=False, description="NVIDIA GPU backend (cuBLAS, NVRTC kernels, NCCL)")
 
@@ -74,8 +83,14 @@ class Ndtrain(CargoPackage):
 
     @property
     def build_args(self):
-        # CargoBuilder passes `-j <make_jobs>` itself (`std_build_args`): not again here.
+        # CargoBuilder runs `cargo install --root out --path . -j <make_jobs>` followed by these;
+        # it passes neither --locked nor --offline, and -j must not come twice.
         args = ["--locked"]
+        # A release tarball carries vendor/ and a .cargo/config.toml that replaces crates.io
+        # with it: build without network (Spack's CARGO_HOME is an empty folder in the stage).
+        # A git checkout (`main`, `spack develop`) has no vendor/ and fetches its crates.
+        if os.path.isdir(join_path(self.stage.source_path, "vendor")):
+            args.append("--offline")
         if self.spec.satisfies("+cuda"):
             args += ["--features", "cuda"]
         return args
