@@ -319,9 +319,9 @@ fn run_gpu_check(layout: Option<String>) -> i32 {
         use crate::backend::Backend;
         let mut lines = vec![format!("rank {} (node rank {}): GPU {}", world.rank(), node.rank(), be.describe())];
         let mut checks = crate::backend::cuda::check::check_backend(&be);
-        checks.push(crate::backend::cuda::check::check_nccl(be.gpu(), &world)?);
+        checks.push(crate::backend::cuda::check::check_nccl(&be, &world)?);
         for g in mesh.as_ref().map(|m| m.groups().to_vec()).unwrap_or_default() {
-            checks.push(crate::backend::cuda::check::check_nccl(be.gpu(), g)?);
+            checks.push(crate::backend::cuda::check::check_nccl(&be, g)?);
         }
         let mut failed = 0;
         for c in &checks {

@@ -247,6 +247,9 @@ pub struct StepTiming<'a> {
     pub comm: &'a std::collections::BTreeMap<String, crate::parallel::comm::CommCount>,
     pub mem: &'a MemoryStats,
     pub attention_pairs: u64,
+    /// The device allocator's bytes in use at the step's end and its high-water mark
+    /// (`Backend::device_memory`); `None` on the host.
+    pub device_memory: Option<(u64, u64)>,
 }
 
 /// `<out_dir>/timing/rank_<5 digits>.csv`: one row per step of this rank's phase times, the
@@ -280,6 +283,8 @@ impl TimingLog {
                 "peak_rss_bytes",
                 "rss_start_bytes",
                 "attention_pairs",
+                "device_bytes",
+                "device_peak_bytes",
             ]
             .map(String::from),
         );
@@ -304,6 +309,9 @@ impl TimingLog {
         row.push(peak_rss_bytes().to_string());
         row.push(self.rss_start.to_string());
         row.push(r.attention_pairs.to_string());
+        let (device_now, device_peak) = r.device_memory.unwrap_or_default();
+        row.push(device_now.to_string());
+        row.push(device_peak.to_string());
         writeln!(self.out, "{}", row.join(","))?;
         self.out.flush()
     }

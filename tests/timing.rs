@@ -27,6 +27,8 @@ fn schema() -> Vec<String> {
         "peak_rss_bytes",
         "rss_start_bytes",
         "attention_pairs",
+        "device_bytes",
+        "device_peak_bytes",
     ] {
         cols.push(c.into());
     }

@@ -76,6 +76,11 @@ pub trait Backend<T: Real> {
 
     /// A short name for logs (`cpu`, `cuda:0 NVIDIA H200`).
     fn describe(&self) -> String;
+    /// The device allocator's own counters: bytes in use now and the most in use so far.
+    /// `None` on the host, whose memory is the process's (`metrics::peak_rss_bytes`).
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// Waits until every operation queued so far has finished, and reports the first that
     /// failed (a device runs them asynchronously; the host has nothing to wait for). Phases are
     /// timed after it, so the host's clock measures the device's work.
@@ -105,6 +110,14 @@ pub trait Backend<T: Real> {
     /// device memory, which [`with_host`] and [`with_host_mut`] stage through copies.
     fn host<'b>(&self, b: &'b Self::Buf) -> Option<&'b [T]>;
     fn host_mut<'b>(&self, b: &'b mut Self::Buf) -> Option<&'b mut [T]>;
+    /// Page-locks `host` so copies between it and the device run at the bus's speed (the
+    /// staging buffers of collectives that go through host memory); false where nothing is
+    /// pinned (the host backend, or a device that refused). A pinned buffer is unpinned with
+    /// [`Backend::unpin_host`] before its memory is freed.
+    fn pin_host(&self, _host: &mut [T]) -> bool {
+        false
+    }
+    fn unpin_host(&self, _host: &mut [T]) {}
     fn set_ids(&self, dst: &mut Self::Ids, host: &[u32]);
     fn set_positions(&self, dst: &mut Self::Pos, host: &[usize]);
 
@@ -257,6 +270,36 @@ pub trait Backend<T: Real> {
     fn adamw(&self, p: &mut Self::Buf, m: &mut Self::Buf, v: &mut Self::Buf, g: &Self::Buf, range: Range<usize>, step: &AdamStep);
 }
 
+thread_local! {
+    /// What the device allocations made now are for ([`allocating`]).
+    static ALLOCATING: std::cell::Cell<(&'static str, Option<usize>)> = const { std::cell::Cell::new(("", None)) };
+}
+
+/// Says what the allocations made until the returned guard is dropped are for — `what`, of
+/// unit or block `index` when given — so a device that runs out of memory names the tensor it
+/// was asked for. Costs a thread-local write; the text is formatted only on failure.
+pub fn allocating(what: &'static str, index: Option<usize>) -> Allocating {
+    Allocating(ALLOCATING.replace((what, index)))
+}
+
+/// Restores the purpose said before it when dropped.
+pub struct Allocating((&'static str, Option<usize>));
+
+impl Drop for Allocating {
+    fn drop(&mut self) {
+        ALLOCATING.set(self.0);
+    }
+}
+
+/// What the allocations made now are for, if a caller said so.
+pub fn allocation_purpose() -> Option<String> {
+    match ALLOCATING.get() {
+        ("", _) => None,
+        (what, None) => Some(what.to_string()),
+        (what, Some(i)) => Some(format!("{what} {i}")),
+    }
+}
+
 /// Runs `f` on host slices of `bufs`: the buffers themselves on the host backend, else copies
 /// downloaded for it (for reading a model state out of device memory: checkpoints, exports).
 pub fn with_host<T: Real, B: Backend<T>, R>(be: &B, bufs: &[&B::Buf], f: impl FnOnce(Vec<&[T]>) -> R) -> R {
@@ -294,4 +337,26 @@ pub fn with_host_mut<T: Real, B: Backend<T>, R>(be: &B, mut bufs: Vec<&mut B::Bu
         be.upload(b, v);
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A purpose holds while its guard lives, nested ones restore the outer one, and the index
+    /// is said with it.
+    #[test]
+    fn an_allocation_purpose_is_scoped_and_nests() {
+        assert_eq!(allocation_purpose(), None);
+        {
+            let _outer = allocating("AdamW moments", None);
+            assert_eq!(allocation_purpose().as_deref(), Some("AdamW moments"));
+            {
+                let _inner = allocating("gathered parameters of unit", Some(3));
+                assert_eq!(allocation_purpose().as_deref(), Some("gathered parameters of unit 3"));
+            }
+            assert_eq!(allocation_purpose().as_deref(), Some("AdamW moments"));
+        }
+        assert_eq!(allocation_purpose(), None);
+    }
 }

@@ -169,6 +169,7 @@ pub(super) fn deferred_lens(m: &Dims, n: usize) -> [usize; 13] {
 
 impl<V> DeferredWeights<V> {
     pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize) -> Self {
+        let _for = crate::backend::allocating("zero bubble's deferred weight-gradient operands", None);
         let mut bufs = deferred_lens(m, n).map(|len| be.zeros(len)).into_iter();
         let mut next = || bufs.next().expect("13 buffers");
         DeferredWeights { dy: std::array::from_fn(|_| next()), x: std::array::from_fn(|_| next()), dnorm1: next(), dnorm2: next() }

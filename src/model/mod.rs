@@ -177,11 +177,18 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         let nl = rows.local;
         let (d, v) = (self.m.d, self.m.vocab_local);
         let be = &self.be;
-        self.saved = (0..self.m.layers).map(|_| BlockActs::alloc(be, &self.m, n, rows, self.ckpt, ActsRole::Saved)).collect();
+        self.saved = (0..self.m.layers)
+            .map(|l| {
+                let _for = crate::backend::allocating("saved activations of block", Some(l));
+                BlockActs::alloc(be, &self.m, n, rows, self.ckpt, ActsRole::Saved)
+            })
+            .collect();
+        let _for = crate::backend::allocating("a block's recomputed activations and activation gradients", None);
         self.scratch = BlockActs::alloc(be, &self.m, n, rows, self.ckpt, ActsRole::Scratch);
         self.scratch_is_last_block = false;
         self.grads = BlockGrads::alloc(be, &self.m, n, rows);
         // The head's buffers exist on the stage that runs it (every rank without a pipeline).
+        let _for = crate::backend::allocating("the final norm, logits and cross entropy", None);
         let h = self.m.head as usize;
         self.ce_max = be.zeros(h * n);
         self.ce_target = be.zeros(h * n);

@@ -11,7 +11,7 @@ use super::comm::{Group, Ticket};
 use super::mesh::Mesh;
 use crate::backend::Backend;
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 /// One group's collectives on buffers `V` (`recv = [send of rank 0, send of rank 1, …]` for a
@@ -47,6 +47,10 @@ pub trait Collective<V> {
     fn start_shift(&self, slot: usize, buf: &V);
     /// Completes exchange `slot`: `buf` becomes the previous rank's block.
     fn finish_shift(&self, slot: usize, buf: &mut V);
+    /// Called once the device has finished the step's work: a group whose collectives run
+    /// asynchronously on a device counts their time now (the host's collectives are counted
+    /// as they run).
+    fn settle(&self) {}
 }
 
 impl Collective<Vec<f32>> for Group {
@@ -101,23 +105,63 @@ type Buffers<V> = (V, V);
 /// through host memory: device → host → MPI (the group's own collective) → device. Works with
 /// any MPI and any number of ranks per device. The group counts bytes and time as on the host;
 /// a non-blocking collective copies its input out when it starts and its output in when it is
-/// waited for, so the device buffers and the host staging buffers stay apart.
+/// waited for, so the device buffers and the host staging buffers stay apart. The host buffers
+/// are kept for the next collective of the same length (every step repeats the same sizes) and
+/// page-locked where the backend can pin them, so the copies run at the bus's speed.
 pub struct Staged<'g, B: Backend<f32>> {
     be: B,
     group: &'g Group,
     /// The device buffers of the collectives in flight, by ticket (their host copies are in
     /// the group).
     in_flight: RefCell<BTreeMap<u64, Buffers<B::Buf>>>,
+    /// Host staging buffers not in use, by length.
+    spare: RefCell<BTreeMap<usize, Vec<Vec<f32>>>>,
+    /// The addresses of the staging buffers the backend pinned.
+    pinned: RefCell<BTreeSet<usize>>,
 }
+
+/// Spare staging buffers kept per length: a block's gather and its reduce-scatter in flight
+/// together, with one of each for the next block, at most.
+const SPARE_PER_LENGTH: usize = 4;
 
 impl<'g, B: Backend<f32>> Staged<'g, B> {
     pub fn new(be: B, group: &'g Group) -> Self {
-        Staged { be, group, in_flight: RefCell::new(BTreeMap::new()) }
+        Staged {
+            be,
+            group,
+            in_flight: RefCell::new(BTreeMap::new()),
+            spare: RefCell::new(BTreeMap::new()),
+            pinned: RefCell::new(BTreeSet::new()),
+        }
     }
 
-    /// A host copy of `buf`.
+    /// A host staging buffer of `len` elements (a spare one, else a new one, pinned if the
+    /// backend can).
+    fn stage(&self, len: usize) -> Vec<f32> {
+        if let Some(h) = self.spare.borrow_mut().get_mut(&len).and_then(|v| v.pop()) {
+            return h;
+        }
+        let mut h = vec![0.0; len];
+        if self.be.pin_host(&mut h) {
+            self.pinned.borrow_mut().insert(h.as_ptr() as usize);
+        }
+        h
+    }
+
+    /// Gives a staging buffer back for the next collective of its length.
+    fn unstage(&self, mut h: Vec<f32>) {
+        let mut spare = self.spare.borrow_mut();
+        let same = spare.entry(h.len()).or_default();
+        if same.len() < SPARE_PER_LENGTH {
+            same.push(h);
+        } else if self.pinned.borrow_mut().remove(&(h.as_ptr() as usize)) {
+            self.be.unpin_host(&mut h);
+        }
+    }
+
+    /// A host copy of `buf`, in a staging buffer.
     fn down(&self, buf: &B::Buf) -> Vec<f32> {
-        let mut host = vec![0.0; self.be.len(buf)];
+        let mut host = self.stage(self.be.len(buf));
         self.be.download(buf, &mut host);
         host
     }
@@ -127,11 +171,24 @@ impl<'g, B: Backend<f32>> Staged<'g, B> {
         let mut host = self.down(buf);
         f(&mut host);
         self.be.upload(buf, &host);
+        self.unstage(host);
     }
 
     fn keep(&self, t: Ticket, send: B::Buf, recv: B::Buf) -> Ticket {
         self.in_flight.borrow_mut().insert(t.0, (send, recv));
         t
+    }
+}
+
+impl<B: Backend<f32>> Drop for Staged<'_, B> {
+    /// Unpins the spare staging buffers before they are freed.
+    fn drop(&mut self) {
+        let pinned = self.pinned.get_mut();
+        for h in self.spare.get_mut().values_mut().flatten() {
+            if pinned.remove(&(h.as_ptr() as usize)) {
+                self.be.unpin_host(h);
+            }
+        }
     }
 }
 
@@ -154,21 +211,23 @@ impl<B: Backend<f32>> Collective<B::Buf> for Staged<'_, B> {
     fn all_gather(&self, send: &B::Buf, recv: &mut B::Buf) {
         let h = self.down(send);
         self.through_host(recv, |r| self.group.all_gather_f32(&h, r));
+        self.unstage(h);
     }
     fn reduce_scatter_sum(&self, send: &B::Buf, recv: &mut B::Buf) {
         let h = self.down(send);
         self.through_host(recv, |r| self.group.reduce_scatter_sum_f32(&h, r));
+        self.unstage(h);
     }
     fn start_all_gather(&self, send: B::Buf, recv: B::Buf) -> Ticket {
-        let t = self.group.start_all_gather_f32(self.down(&send), vec![0.0; self.be.len(&recv)]);
+        let t = self.group.start_all_gather_f32(self.down(&send), self.stage(self.be.len(&recv)));
         self.keep(t, send, recv)
     }
     fn start_reduce_scatter_sum(&self, send: B::Buf, recv: B::Buf) -> Ticket {
-        let t = self.group.start_reduce_scatter_sum_f32(self.down(&send), vec![0.0; self.be.len(&recv)]);
+        let t = self.group.start_reduce_scatter_sum_f32(self.down(&send), self.stage(self.be.len(&recv)));
         self.keep(t, send, recv)
     }
     fn start_all_reduce_sum(&self, send: B::Buf, recv: B::Buf) -> Ticket {
-        let t = self.group.start_all_reduce_sum_f32(self.down(&send), vec![0.0; self.be.len(&recv)]);
+        let t = self.group.start_all_reduce_sum_f32(self.down(&send), self.stage(self.be.len(&recv)));
         self.keep(t, send, recv)
     }
     fn test(&self, t: &Ticket) -> bool {
@@ -176,13 +235,17 @@ impl<B: Backend<f32>> Collective<B::Buf> for Staged<'_, B> {
     }
     fn wait(&self, t: Ticket) -> (B::Buf, B::Buf) {
         let id = t.0;
-        let (_, host) = self.group.wait(t);
+        let (host_send, host) = self.group.wait(t);
         let (send, mut recv) = self.in_flight.borrow_mut().remove(&id).expect("a ticket of this group, waited for once");
         self.be.upload(&mut recv, &host);
+        self.unstage(host_send);
+        self.unstage(host);
         (send, recv)
     }
     fn start_shift(&self, slot: usize, buf: &B::Buf) {
-        self.group.start_ring_shift_f32(slot, &self.down(buf));
+        let h = self.down(buf);
+        self.group.start_ring_shift_f32(slot, &h);
+        self.unstage(h);
     }
     fn finish_shift(&self, slot: usize, buf: &mut B::Buf) {
         self.through_host(buf, |h| self.group.finish_ring_shift_f32(slot, h));
@@ -208,9 +271,9 @@ impl<'g, B: Backend<f32> + Clone> StagedMesh<'g, B> {
     }
 }
 
-/// The bookkeeping of collectives that have completed (as far as the caller can tell) when they
-/// are started — run blocking, or enqueued on the device's stream in order with the compute:
-/// their buffers until waited for, and each ring exchange's received block until finished.
+/// The buffers of collectives whose completion is ordered by other means than MPI requests —
+/// run blocking, or on a device ordered by its events: the buffers until waited for, and each
+/// ring exchange's received block until finished.
 pub struct Finished<V> {
     done: RefCell<BTreeMap<u64, Buffers<V>>>,
     next: std::cell::Cell<u64>,
@@ -255,6 +318,15 @@ pub struct MeshCollectives<'a, V> {
     pub cp: &'a dyn Collective<V>,
     pub fsdp: &'a dyn Collective<V>,
     pub dp_rep: &'a dyn Collective<V>,
+}
+
+impl<V> MeshCollectives<'_, V> {
+    /// Every group's [`Collective::settle`].
+    pub fn settle(&self) {
+        for c in [self.tp, self.cp, self.fsdp, self.dp_rep] {
+            c.settle();
+        }
+    }
 }
 
 impl<'g> MeshCollectives<'g, Vec<f32>> {

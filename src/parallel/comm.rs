@@ -151,6 +151,13 @@ fn install_abort_on_panic() {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Ticket(pub(super) u64);
 
+impl Ticket {
+    /// The number that tells this ticket from the group's others.
+    pub fn id(&self) -> u64 {
+        self.0
+    }
+}
+
 /// A non-blocking collective in flight. It owns its buffers, so nothing can read or write
 /// them before it completes; dropping it waits for completion.
 struct Pending {
@@ -285,11 +292,15 @@ impl Group {
     }
 
     fn record(&self, kind: &'static str, bytes: usize, start: Instant) {
+        self.add(kind, bytes, start.elapsed().as_secs_f64());
+    }
+
+    fn add(&self, kind: &'static str, bytes: usize, seconds: f64) {
         let mut c = self.counts.borrow_mut();
         let e = c.entry(kind).or_default();
         e.calls += 1;
         e.bytes += bytes as u64;
-        e.seconds += start.elapsed().as_secs_f64();
+        e.seconds += seconds;
     }
 
     /// Counts one collective another library ran on this group's ranks (NCCL on a device's
@@ -297,6 +308,14 @@ impl Group {
     pub fn count(&self, kind: &'static str, bytes: usize, start: Instant) {
         if self.size > 1 {
             self.record(kind, bytes, start);
+        }
+    }
+
+    /// Counts one collective another library ran asynchronously on this group's ranks, timed
+    /// on the device (`seconds`: from its start to its end there).
+    pub fn count_seconds(&self, kind: &'static str, bytes: usize, seconds: f64) {
+        if self.size > 1 {
+            self.add(kind, bytes, seconds);
         }
     }
 

@@ -138,6 +138,7 @@ impl<'a, T: Real, B: Backend<T>> RingAttention<'a, T, B> {
                     p
                 })
                 .collect();
+            let _for = crate::backend::allocating("ring attention's K/V blocks in flight", None);
             (r.k, r.v, r.dk, r.dv) = (be.zeros(kv), be.zeros(kv), be.zeros(kv), be.zeros(kv));
             (r.o_part, r.lse_part) = (be.zeros(q), be.zeros(dm.b * dm.h * dm.sq));
             r.dm = Some(key);

@@ -359,7 +359,17 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             activation_bytes: self.trainer.activation_bytes(),
         };
         let attention_pairs = self.trainer.take_attention_pairs();
-        let timing = StepTiming { step: s1, step_s, phases: &out.phases, log_s: self.last_log_s, comm: &comm, mem: &mem, attention_pairs };
+        let device_memory = self.trainer.backend().device_memory();
+        let timing = StepTiming {
+            step: s1,
+            step_s,
+            phases: &out.phases,
+            log_s: self.last_log_s,
+            comm: &comm,
+            mem: &mem,
+            attention_pairs,
+            device_memory,
+        };
         self.timing.append(&timing)?;
         let elapsed = self.run_start.elapsed().as_secs_f64();
         let train_s = *self.step_times.last().expect("the step was recorded");

@@ -56,6 +56,7 @@ impl<'g, B: Backend<f32> + Clone> ModelState<'g, B> {
         params.overlap = overlap;
         let mut grads = FsdpGrads::new(be, dims, comms.fsdp, comms.dp_rep);
         grads.overlap = overlap;
+        let _for = crate::backend::allocating("AdamW moments", None);
         let moments = || params.plan.units.iter().map(|u| be.zeros(u.shard_len)).collect();
         ModelState {
             exp_avg: moments(),

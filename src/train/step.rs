@@ -217,6 +217,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             return Err(Box::new(self.nonfinite_failure(step + 1, loss, grad_norm)));
         }
         self.synchronize(step + 1)?;
+        self.comms.settle();
         pt[Phase::Optimizer] += t_opt.elapsed().as_secs_f64();
         Ok(StepOutcome { loss, grad_norm, lr, updated, phases: pt })
     }

@@ -174,7 +174,8 @@ impl GpuBackend {
             self.shared.planned_bytes.get().map_or(String::new(), |p| {
                 format!("; `ndtrain plan` predicts {:.1} MiB per rank for this deck (docs/planning.md)", mib(p))
             });
-        format!("GPU allocation of {:.1} MiB failed: {e}{device}{plan}", mib(bytes))
+        let what = crate::backend::allocation_purpose().map_or(String::new(), |w| format!(" for {w}"));
+        format!("GPU allocation of {:.1} MiB{what} failed: {e}{device}{plan}", mib(bytes))
     }
 
     fn put<T: DeviceRepr + Copy + ValidAsZeroBits>(&self, dst: &mut DevBuf<T>, host: &[T]) {
@@ -210,6 +211,7 @@ impl GpuBackend {
                 ok("sgemm", self.gpu().gemm(c.get_mut(), Operand::F32(a.get(), 0), Operand::F32(b.get(), 0), mnk, trans, beta))
             }
             Precision::Bf16 => {
+                let _for = crate::backend::allocating("bf16 copies of a GEMM's operands", None);
                 let mut s = self.shared.bf16.borrow_mut();
                 let (sa, sb) = &mut *s;
                 for (scratch, x) in [(&mut *sa, a), (&mut *sb, b)] {
@@ -265,6 +267,10 @@ impl Backend<f32> for GpuBackend {
 
     fn precision(&self) -> Precision {
         self.precision
+    }
+
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        self.gpu().pool_memory().ok()
     }
 
     fn zeros(&self, n: usize) -> DevBuf<f32> {
@@ -325,6 +331,25 @@ impl Backend<f32> for GpuBackend {
     }
 
     /// Device memory: the host stages through copies.
+    fn pin_host(&self, host: &mut [f32]) -> bool {
+        use cudarc::driver::sys;
+        if host.is_empty() || self.gpu().stream.context().bind_to_thread().is_err() {
+            return false;
+        }
+        // SAFETY: registers the slice's own memory (valid for its length); the caller unpins
+        // it before freeing it (`parallel::collective::Staged`).
+        let r =
+            unsafe { sys::cuMemHostRegister_v2(host.as_mut_ptr().cast(), std::mem::size_of_val(host), sys::CU_MEMHOSTREGISTER_PORTABLE) };
+        r == sys::CUresult::CUDA_SUCCESS
+    }
+
+    fn unpin_host(&self, host: &mut [f32]) {
+        if self.gpu().stream.context().bind_to_thread().is_ok() {
+            // SAFETY: `host` was registered by `pin_host` and is still allocated.
+            let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(host.as_mut_ptr().cast()) };
+        }
+    }
+
     fn host<'b>(&self, _b: &'b DevBuf<f32>) -> Option<&'b [f32]> {
         None
     }
@@ -520,6 +545,7 @@ impl Backend<f32> for GpuBackend {
             return;
         }
         let plan = AttnPlan::new(dm, SCORES_CAP);
+        let _for = crate::backend::allocating("attention's scores", None);
         let mut s = self.shared.scores.borrow_mut();
         attention::forward(&self.attn(), &plan, &mut s, (o, lse), (q, k, v), (q_pos, k_pos));
     }
@@ -543,6 +569,7 @@ impl Backend<f32> for GpuBackend {
             return;
         }
         let plan = AttnPlan::new(dm, SCORES_CAP);
+        let _for = crate::backend::allocating("attention's scores and their gradients", None);
         let (mut s, mut ds, mut dd) = (self.shared.scores.borrow_mut(), self.shared.dscores.borrow_mut(), self.shared.rowdot.borrow_mut());
         let scratch = (&mut *s, &mut *ds, &mut *dd);
         attention::backward(&self.attn(), &plan, scratch, (dq, dk, dv), (d_o, q, k, v, o, lse), (q_pos, k_pos));

@@ -4,7 +4,6 @@
 //! with a named tolerance.
 
 use super::backend::{DevBuf, GpuBackend};
-use super::Gpu;
 use crate::backend::cpu::Cpu;
 use crate::backend::{AdamStep, AttnDims, Backend, Precision};
 use crate::config::{ActCkpt, ModelCfg};
@@ -12,9 +11,9 @@ use crate::model::hooks::Hooks;
 use crate::model::params::{Dims, ModelParams};
 use crate::model::positions::rope_tables;
 use crate::model::{Model, Tokens};
+use crate::parallel::collective::Collective;
 use crate::parallel::comm::Group;
 use crate::parallel::cp::zigzag_positions;
-use cudarc::nccl::ReduceOp;
 
 /// The result of one comparison.
 pub struct Check {
@@ -425,16 +424,24 @@ impl Pair {
     }
 }
 
-/// An NCCL all-reduce over `group` against the sum every rank can compute: rank `r` sends
-/// `r + 1 + i/n`; the result must be `Σ_r (r + 1) + size·i/n` exactly (small integers and
-/// the same fraction on every rank).
-pub fn check_nccl(gpu: &Gpu, group: &Group) -> Result<Check, String> {
-    let comm = gpu.nccl(group)?;
+/// An NCCL all-reduce over `group` the way training runs one: started on a communication
+/// stream, waited for by the compute stream, its result then read by a kernel. Rank `r` sends
+/// `r + 1 + i/n`; the result must be `Σ_r (r + 1) + size·i/n` exactly (small integers and the
+/// same fraction on every rank).
+pub fn check_nccl(be: &GpuBackend, group: &Group) -> Result<Check, String> {
+    let stream = be.gpu().stream.fork().map_err(|e| format!("creating a communication stream: {e:?}"))?;
+    let nccl = super::nccl::NcclGroup::new(be, group, &stream)?;
     let n = 1 << 20;
     let mine: Vec<f32> = (0..n).map(|i| (group.rank() + 1) as f32 + (i % 8) as f32 / 8.0).collect();
-    let mut buf = gpu.upload(&mine)?;
-    comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(|e| format!("ncclAllReduce: {e:?}"))?;
-    let got = gpu.download(&buf)?;
+    let mut send = be.zeros(n);
+    be.upload(&mut send, &mine);
+    let ticket = nccl.start_all_reduce_sum(send, be.zeros(n));
+    let (_, mut sum) = nccl.wait(ticket);
+    be.scale(&mut sum, 1.0);
+    let mut got = vec![0.0; n];
+    be.download(&sum, &mut got);
+    be.synchronize()?;
+    nccl.settle();
     let size = group.size();
     let want: Vec<f32> = (0..n).map(|i| (size * (size + 1) / 2) as f32 + size as f32 * (i % 8) as f32 / 8.0).collect();
     let what = format!("NCCL all-reduce (sum), 4 MiB, over {} ({} ranks)", group.name(), size);

@@ -4,9 +4,10 @@
 use super::{compile, err, libraries_present, need, Gpu, KERNELS};
 use crate::parallel::comm::Group;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig};
 use cudarc::nccl::{Comm, Id};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// The GPUs this process can see (within `CUDA_VISIBLE_DEVICES`).
 pub fn device_count() -> Result<usize, String> {
@@ -65,9 +66,10 @@ impl Gpu {
         self.stream.alloc_zeros::<T>(n).map_err(err("allocating on the GPU"))
     }
 
-    /// One NCCL communicator over the ranks of `group`: its rank 0 creates the unique id and
-    /// broadcasts it over the group's MPI communicator; every rank then joins.
-    pub fn nccl(&self, group: &Group) -> Result<Comm, String> {
+    /// One NCCL communicator over the ranks of `group`, its collectives on `stream`: its rank 0
+    /// creates the unique id and broadcasts it over the group's MPI communicator; every rank
+    /// then joins.
+    pub fn nccl(&self, group: &Group, stream: &Arc<CudaStream>) -> Result<Comm, String> {
         let mut id = vec![0u8; 128];
         if group.rank() == 0 {
             let fresh = Id::new().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
@@ -78,8 +80,25 @@ impl Gpu {
         for (d, &s) in internal.iter_mut().zip(&id) {
             *d = s as std::ffi::c_char;
         }
-        Comm::from_rank(self.stream.clone(), group.rank(), group.size(), Id::uninit(internal))
+        Comm::from_rank(stream.clone(), group.rank(), group.size(), Id::uninit(internal))
             .map_err(|e| format!("ncclCommInitRank ({} ranks in {}): {e:?}", group.size(), group.name()))
+    }
+
+    /// Bytes in use in the stream-ordered allocator's pool (where every buffer of the backend
+    /// comes from) now and at most so far, from the pool's own counters.
+    pub fn pool_memory(&self) -> Result<(u64, u64), String> {
+        use cudarc::driver::{result, sys::CUmemPool_attribute as Attr};
+        let ctx = self.stream.context();
+        ctx.bind_to_thread().map_err(err("binding the context"))?;
+        // SAFETY: the device of this context; each attribute is a cuuint64_t written into a u64.
+        unsafe {
+            let pool = result::device::get_mem_pool(ctx.cu_device()).map_err(err("reading the memory pool"))?;
+            let (mut now, mut high) = (0u64, 0u64);
+            for (attr, v) in [(Attr::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut now), (Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut high)] {
+                result::mem_pool::get_attribute(pool, attr, (v as *mut u64).cast()).map_err(err("reading the memory pool's counters"))?;
+            }
+            Ok((now, high))
+        }
     }
 
     /// The device's free and total memory, in bytes.

@@ -44,6 +44,7 @@ pub struct FsdpGrads<'g, B: Backend<f32>> {
 impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
     pub fn new(be: &B, m: &Dims, fsdp: &'g dyn Collective<B::Buf>, dp_rep: &'g dyn Collective<B::Buf>) -> Self {
         let plan = ShardPlan::new(m, fsdp.degree(), fsdp.rank());
+        let _for = crate::backend::allocating("gradient shards and whole-tensor gradient scratch", None);
         let shards = plan.units.iter().map(|u| be.zeros(u.shard_len)).collect();
         let scratch = |len: usize| {
             let mut b = be.zeros(if plan.degree > 1 { len } else { 0 });
@@ -113,6 +114,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
             self.reduced(unit, self.last_micro);
             return;
         }
+        let _for = crate::backend::allocating("gradient reduce-scatter buffers of unit", Some(unit));
         let mut send = std::mem::take(&mut self.pack_buf);
         self.be.resize(&mut send, len * self.plan.degree);
         for r in 0..self.plan.degree {

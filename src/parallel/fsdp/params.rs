@@ -50,6 +50,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
     /// Zero shards, to be filled by a load (a checkpoint, or a Hugging Face model's slices).
     pub fn zeros(be: &B, m: &Dims, fsdp: &'g dyn Collective<B::Buf>, reshard_after_forward: bool) -> Self {
         let plan = ShardPlan::new(m, fsdp.degree(), fsdp.rank());
+        let _for = crate::backend::allocating("parameter shards and FSDP gather buffers", None);
         let shards = plan.units.iter().map(|u| be.zeros(u.shard_len)).collect();
         // Sized once for the largest unit, so no collective ever reallocates them; none with
         // fsdp degree 1, where a unit's shard is the whole unit.
@@ -103,6 +104,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
 
     fn gather_unit(&mut self, unit: usize) {
         let len = self.plan.units[unit].shard_len;
+        let _for = crate::backend::allocating("gathered parameters of unit", Some(unit));
         self.be.resize(&mut self.gather_buf, len * self.plan.degree);
         self.fsdp.all_gather(&self.shards[unit], &mut self.gather_buf);
     }
@@ -124,6 +126,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
             return;
         }
         let unit = l + 1;
+        let _for = crate::backend::allocating("prefetched parameters of unit", Some(unit));
         let mut send = std::mem::take(&mut self.send_buf);
         self.be.resize(&mut send, self.plan.units[unit].shard_len);
         self.be.copy(&mut send, &self.shards[unit]);
