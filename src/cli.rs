@@ -51,8 +51,8 @@ enum Cmd {
         #[arg(long = "set", value_name = "TABLE.KEY=VALUE")]
         set: Vec<String>,
     },
-    /// Measure this rank's f32 GEMM rate and memory bandwidth on its threads (the `[hardware]`
-    /// peak for MFU and planning).
+    /// Measure this rank's f32 GEMM rate, its cores' f32 FMA peak and its memory bandwidth on
+    /// its threads (the `[hardware]` peak for MFU and planning, and what the silicon can do).
     Probe {
         /// Threads (default: all cores).
         #[arg(long, default_value_t = 0)]
@@ -366,10 +366,20 @@ fn run_probe(threads: usize) -> i32 {
     let threads = if threads > 0 { threads } else { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) };
     crate::backend::cpu::use_threads(threads);
     let flops = probe::gemm_flops();
+    let fma = probe::fma_peak_of(probe::FmaKernel::detect(), threads, 20, std::time::Duration::from_millis(20));
     let bw = probe::memory_bandwidth();
     println!("f32 GEMM (1024³, best of 4) on {threads} thread(s): {:.3e} FLOP/s", flops);
+    println!(
+        "f32 FMA peak ({}, {}-bit, best of 20 × 20 ms) on {} thread(s): {:.3e} FLOP/s",
+        fma.kernel.name(),
+        fma.width_bits,
+        fma.threads,
+        fma.flops
+    );
+    println!("GEMM / FMA peak: {:.3} (the GEMM's efficiency on this machine)", flops / fma.flops);
     println!("memory bandwidth (triad a = b + s·c over 3 × 64 MiB, best of 5) on {threads} thread(s): {:.3e} bytes/s", bw);
     println!("\n[hardware]\npeak_flops_per_rank = {flops:.4e}");
+    println!("# MFU against the silicon instead: peak_flops_per_rank = {:.4e} (the FMA peak; docs/model.md)", fma.flops);
     0
 }
 

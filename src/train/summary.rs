@@ -41,12 +41,22 @@ pub(super) fn warn_if_data_wraps(res: &Resolved, samples_per_epoch: u64) {
     }
 }
 
-/// The model line (size, backend, FLOPs, the MFU peak) and the header of the step lines.
+/// The model line (size, backend, FLOPs, the MFU peak and, on the host, the FMA peak of the
+/// rank's threads: what the silicon can do, for reading the MFU against it) and the header of
+/// the step lines. The FMA probe takes about 0.1 s; every rank runs it at once, so that rank 0
+/// measures its threads beside its node's other ranks as in training.
 pub(super) fn say_model(res: &Resolved, backend: String, peak: &Peak, flops_per_token: f64) {
     let m = &res.deck.model;
     let n_params = crate::model::params::param_specs(m).iter().map(|s| s.numel()).sum::<usize>();
+    let fma = match res.deck.run.device {
+        crate::config::Device::Cpu => {
+            let p = crate::backend::cpu::probe::fma_peak(crate::backend::cpu::gemm::gemm_threads());
+            format!("; FMA peak {:.1} GFLOP/s per rank ({} on {} thread(s))", p.flops / 1e9, p.kernel.name(), p.threads)
+        }
+        crate::config::Device::Cuda => String::new(),
+    };
     say!(
-        "model: {} parameters ({} matmul) on {backend} ({:?} GEMMs), {:.3} GFLOP/token; MFU peak {:.1} GFLOP/s per rank ({})",
+        "model: {} parameters ({} matmul) on {backend} ({:?} GEMMs), {:.3} GFLOP/token; MFU peak {:.1} GFLOP/s per rank ({}){fma}",
         n_params,
         crate::metrics::matmul_params(m),
         res.deck.train.precision,
