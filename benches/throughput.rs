@@ -1,5 +1,5 @@
 //! Training throughput of one rank: seconds per optimiser step, tokens/s, achieved FLOP/s and
-//! MFU against a GEMM peak measured in the same process on the same threads.
+//! MFU against GEMM peaks and the cores' FMA peak, measured in the same process on the same threads.
 //!
 //! Runs the training loop's own step (`train::step::Trainer::step`: `grad_accum` micro-steps
 //! of data + forward + backward, global-norm clipping, the LR schedule, AdamW) on one rank, a
@@ -12,7 +12,7 @@
 //! Legend: `B` micro-batch, `S` sequence, `N = B·S`, `D` width, `F` ffn hidden.
 
 use ndtrain::backend::cpu::gemm::{linear_fwd, set_gemm_threads};
-use ndtrain::backend::cpu::probe::gemm_flops;
+use ndtrain::backend::cpu::probe::{fma_peak_of, gemm_flops, FmaKernel};
 use ndtrain::backend::cpu::Cpu;
 use ndtrain::config::Deck;
 use ndtrain::metrics::{flops_per_token, matmul_params, median, Phase};
@@ -22,7 +22,7 @@ use ndtrain::parallel::mesh::Mesh;
 use ndtrain::train::step::{StepOutcome, Trainer};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -134,6 +134,8 @@ struct PerThreads {
     steps: Vec<StepTimes>,
     probe_square: Vec<f64>,
     probe_model: Vec<f64>,
+    /// The f32 FMA peak of these threads (`backend::cpu::probe::fma_peak_of`).
+    probe_fma: Vec<f64>,
 }
 
 /// Carries the trainer into a rayon pool's thread for one step.
@@ -167,6 +169,8 @@ impl PerThreads {
         let (sq, md) = self.run(|| (gemm_flops(), probe_model_shape_flops()));
         self.probe_square.push(sq);
         self.probe_model.push(md);
+        let fma = fma_peak_of(FmaKernel::detect(), self.threads, 20, Duration::from_millis(20));
+        self.probe_fma.push(fma.flops);
     }
 }
 
@@ -219,7 +223,7 @@ fn run(args: &Args) -> Result<(), Error> {
         .iter()
         .map(|&t| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
-            Ok(PerThreads { threads: t, pool, steps: vec![], probe_square: vec![], probe_model: vec![] })
+            Ok(PerThreads { threads: t, pool, steps: vec![], probe_square: vec![], probe_model: vec![], probe_fma: vec![] })
         })
         .collect::<Result<_, rayon::ThreadPoolBuildError>>()?;
 
@@ -256,15 +260,18 @@ fn run(args: &Args) -> Result<(), Error> {
     }
     println!("loadavg at end {}; bench wall {:.1} s\n", loadavg(), wall.elapsed().as_secs_f64());
 
-    println!("| threads | median s/step | min s/step | tokens/s | achieved GFLOP/s | peak 1024³ GFLOP/s | peak 2048×512×1536 GFLOP/s | MFU vs 1024³ | MFU vs 2048×512×1536 |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| threads | median s/step | min s/step | tokens/s | achieved GFLOP/s | peak 1024³ GFLOP/s | peak 2048×512×1536 GFLOP/s | FMA peak GFLOP/s | MFU vs 1024³ | MFU vs 2048×512×1536 | MFU vs FMA peak |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for p in &per {
         let tot: Vec<f64> = p.steps.iter().map(|s| s.total).collect();
         let (med, lo) = (median(&tot), min(&tot));
         let achieved = flops_step / med;
-        let (pk_sq, pk_md) = (p.probe_square.iter().copied().fold(0.0, f64::max), p.probe_model.iter().copied().fold(0.0, f64::max));
+        let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+        let (pk_sq, pk_md, pk_fma) = (best(&p.probe_square), best(&p.probe_model), best(&p.probe_fma));
         println!(
-            "| {} | {:.3} | {:.3} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} % | {:.1} % |",
+            "| {} | {:.3} | {:.3} | {:.0} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} % | {:.1} % | {:.1} % |",
             p.threads,
             med,
             lo,
@@ -272,22 +279,26 @@ fn run(args: &Args) -> Result<(), Error> {
             achieved / 1e9,
             pk_sq / 1e9,
             pk_md / 1e9,
+            pk_fma / 1e9,
             100.0 * achieved / pk_sq,
-            100.0 * achieved / pk_md
+            100.0 * achieved / pk_md,
+            100.0 * achieved / pk_fma
         );
     }
     println!("\nPeak = best of the probes before and after the timed steps (each best of {PROBE_REPS}); the samples (GFLOP/s):\n");
-    println!("| threads | 1024³ before | 1024³ after | 2048×512×1536 before | 2048×512×1536 after |");
-    println!("|---:|---:|---:|---:|---:|");
+    println!("| threads | 1024³ before | 1024³ after | 2048×512×1536 before | 2048×512×1536 after | FMA peak before | FMA peak after |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
     for p in &per {
         let g = |v: &[f64], i: usize| v.get(i).map_or("-".to_string(), |x| format!("{:.1}", x / 1e9));
         println!(
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             p.threads,
             g(&p.probe_square, 0),
             g(&p.probe_square, 1),
             g(&p.probe_model, 0),
-            g(&p.probe_model, 1)
+            g(&p.probe_model, 1),
+            g(&p.probe_fma, 0),
+            g(&p.probe_fma, 1)
         );
     }
     println!("\nPhase medians per step (s) and their share of the median step:\n");
