@@ -42,6 +42,10 @@ pub struct StudyCfg {
     pub launcher: String,
     #[serde(default = "one")]
     pub ranks_per_node: usize,
+    /// CPUs (cores) each rank asks the batch system for: its threads (`--cpus-per-task`;
+    /// PBS `ncpus = ranks_per_node × cpus_per_rank`, `ompthreads = cpus_per_rank`).
+    #[serde(default = "one")]
+    pub cpus_per_rank: usize,
     #[serde(default)]
     pub gpus_per_node: usize,
     /// Rank counts, each a point with `[set]` and `[per_rank]` only.
@@ -126,13 +130,16 @@ fn job_script(s: &StudyCfg, jobscripts: &Path, deck: &Path, ranks: usize) -> Res
     if nodes * per_node != ranks {
         return Err(format!("{ranks} ranks do not fill nodes of ranks_per_node = {} evenly", s.ranks_per_node));
     }
-    let deck = deck.display();
+    if s.cpus_per_rank == 0 {
+        return Err("[study] cpus_per_rank = 0: each rank needs at least one CPU".into());
+    }
+    let (deck, cpus) = (deck.display(), s.cpus_per_rank);
     let line = match s.launcher.as_str() {
         "local" => format!("NRANKS={ranks} exec {}/local/train.sh {deck}", jobscripts.display()),
         "slurm" => {
             let gpus = if s.gpus_per_node > 0 { format!(" --gpus-per-node={}", s.gpus_per_node) } else { String::new() };
             format!(
-                "exec sbatch --nodes={nodes} --ntasks-per-node={per_node}{gpus} --job-name={}_{ranks} --export=ALL,DECK={deck} {}/slurm/train.sbatch",
+                "exec sbatch --nodes={nodes} --ntasks-per-node={per_node} --cpus-per-task={cpus}{gpus} --job-name={}_{ranks} --export=ALL,DECK={deck} {}/slurm/train.sbatch",
                 s.name,
                 jobscripts.display()
             )
@@ -140,8 +147,9 @@ fn job_script(s: &StudyCfg, jobscripts: &Path, deck: &Path, ranks: usize) -> Res
         "pbs" => {
             let gpus = if s.gpus_per_node > 0 { format!(":ngpus={}", s.gpus_per_node) } else { String::new() };
             format!(
-                "exec qsub -N {}_{ranks} -l select={nodes}:ncpus={per_node}:mpiprocs={per_node}{gpus} -v DECK={deck} {}/pbs/train.pbs",
+                "exec qsub -N {}_{ranks} -l select={nodes}:ncpus={}:mpiprocs={per_node}:ompthreads={cpus}{gpus} -v DECK={deck} {}/pbs/train.pbs",
                 s.name,
+                per_node * cpus,
                 jobscripts.display()
             )
         }
@@ -244,4 +252,37 @@ fn check_scaling(scaling: &str, points: &[(usize, usize)]) -> Result<(), String>
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn study(launcher: &str, cpus_per_rank: usize) -> StudyCfg {
+        StudyCfg {
+            name: "s".into(),
+            description: String::new(),
+            base: "b.toml".into(),
+            scaling: "strong".into(),
+            launcher: launcher.into(),
+            ranks_per_node: 4,
+            cpus_per_rank,
+            gpus_per_node: 0,
+            ranks: vec![],
+            out: String::new(),
+        }
+    }
+
+    /// Each rank asks for its CPUs: Slurm's `--cpus-per-task`, PBS's `ncpus` for every rank of
+    /// a node and `ompthreads` (what `train.pbs` reads the threads from).
+    #[test]
+    fn a_point_asks_the_batch_system_for_every_rank_s_cpus() {
+        let (js, deck) = (Path::new("/j"), Path::new("/d.toml"));
+        let slurm = job_script(&study("slurm", 8), js, deck, 16).unwrap();
+        assert!(slurm.contains("sbatch --nodes=4 --ntasks-per-node=4 --cpus-per-task=8 "), "{slurm}");
+        let pbs = job_script(&study("pbs", 8), js, deck, 16).unwrap();
+        assert!(pbs.contains("-l select=4:ncpus=32:mpiprocs=4:ompthreads=8 "), "{pbs}");
+        let e = job_script(&study("pbs", 0), js, deck, 16).unwrap_err();
+        assert!(e.contains("cpus_per_rank = 0"), "{e}");
+    }
 }
