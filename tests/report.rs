@@ -167,6 +167,33 @@ fn handmade_run(dir: &Path, metrics_rows: &[&str]) {
 
 const GOOD_ROWS: &[&str] = &["1,4.8,1e-3,1,160,160,0.01,0.1,0.1", "2,4.7,1e-3,1,160,160,0.01,0.1,0.2", "3,4.6,1e-3,1,160,160,0.01,0.1,0.3"];
 
+/// A GPU run's timing log carries the device allocator's high-water mark (written by hand here:
+/// no GPU): the report states its maximum over ranks and steps; a host run's zeros are no
+/// device memory at all (empty, `n/a`).
+#[test]
+fn the_device_memory_peak_is_reported_for_gpu_runs_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let (gpu, host) = (dir.path().join("gpu"), dir.path().join("host"));
+    for (run, peaks) in [(&gpu, [3_000_000u64, 7_000_000, 5_000_000]), (&host, [0, 0, 0])] {
+        handmade_run(run, GOOD_ROWS);
+        let mut timing = String::from(
+            "step,step_s,data_s,forward_s,backward_s,comm_s,optimizer_s,checkpoint_s,wait_s,log_s,peak_rss_bytes,device_peak_bytes\n",
+        );
+        for (step, peak) in (1..=3).zip(peaks) {
+            timing += &format!("{step},0.1,0.001,0.04,0.05,0.005,0.002,0,0.001,0,1000000,{peak}\n");
+        }
+        std::fs::write(run.join("timing/rank_00000.csv"), timing).unwrap();
+    }
+    let out = dir.path().join("out");
+    let o = report(&[gpu, host], &out);
+    assert!(o.status.success(), "{}", text(&o));
+    let rows = csv_rows(&out.join("summary.csv"));
+    assert_eq!(num(&rows[0], "device_peak_bytes"), 7_000_000.0);
+    assert_eq!(rows[1]["device_peak_bytes"], "");
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(md.contains("peak device memory"), "{md}");
+}
+
 #[test]
 fn a_directory_without_logs_fails_naming_it() {
     let dir = tempfile::tempdir().unwrap();

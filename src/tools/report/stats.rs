@@ -170,6 +170,8 @@ pub(super) struct TimingStats {
     /// logs have those columns.
     pub(super) rank_pp_bubble: Option<Vec<(f64, f64)>>,
     pub(super) peak_rss_bytes: Option<u64>,
+    /// Max over ranks and steps of the device allocator's high-water mark (GPU runs only).
+    pub(super) device_peak_bytes: Option<u64>,
 }
 
 impl TimingStats {
@@ -235,14 +237,27 @@ impl TimingStats {
         } else {
             None
         };
-        let peak_rss_bytes = match first.index_of("peak_rss_bytes") {
-            Some(_) => {
-                let all = ranks.iter().map(|t| t.column("peak_rss_bytes")).collect::<Result<Vec<_>, _>>()?;
-                Some(all.iter().flatten().fold(0.0f64, |m, &v| m.max(v)) as u64)
+        // The largest value of a column over every rank and step; `None` where the logs lack it.
+        let column_max = |name: &str| -> Result<Option<u64>, String> {
+            if first.index_of(name).is_none() {
+                return Ok(None);
             }
-            None => None,
+            let all = ranks.iter().map(|t| t.column(name)).collect::<Result<Vec<_>, _>>()?;
+            Ok(Some(all.iter().flatten().fold(0.0f64, |m, &v| m.max(v)) as u64))
         };
-        Ok(TimingStats { steps: window.len(), phases: phase_stats, rank_phase_s, rank_step_s, comm_bytes, rank_pp_bubble, peak_rss_bytes })
+        let peak_rss_bytes = column_max("peak_rss_bytes")?;
+        // Host runs log 0: no device memory to speak of.
+        let device_peak_bytes = column_max("device_peak_bytes")?.filter(|&b| b > 0);
+        Ok(TimingStats {
+            steps: window.len(),
+            phases: phase_stats,
+            rank_phase_s,
+            rank_step_s,
+            comm_bytes,
+            rank_pp_bubble,
+            peak_rss_bytes,
+            device_peak_bytes,
+        })
     }
 }
 

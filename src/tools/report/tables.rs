@@ -66,6 +66,7 @@ fn runs_markdown(runs: &[RunStats]) -> String {
         "final loss",
         "MFU",
         "peak RSS (max over ranks)",
+        "peak device memory (max over ranks)",
     ]);
     for r in runs {
         let l = r.layout;
@@ -83,6 +84,7 @@ fn runs_markdown(runs: &[RunStats]) -> String {
             fmt_num(r.final_loss),
             fmt_num(r.mfu),
             r.timing.peak_rss_bytes.map_or("n/a".into(), |b| fmt_bytes(b as f64)),
+            r.timing.device_peak_bytes.map_or("n/a".into(), |b| fmt_bytes(b as f64)),
         ]);
     }
     md + "\n"
@@ -221,7 +223,7 @@ pub(super) fn summary_csv(runs: &[RunStats]) -> String {
         header.extend([format!("{p}_min_s"), format!("{p}_avg_s"), format!("{p}_max_s"), format!("{p}_imbalance")]);
     }
     header.extend(collectives.iter().map(|c| format!("{c}_bytes")));
-    header.push("peak_rss_bytes".into());
+    header.extend(["peak_rss_bytes".into(), "device_peak_bytes".into()]);
 
     let mut csv = header.join(",") + "\n";
     for r in runs {
@@ -240,6 +242,7 @@ pub(super) fn summary_csv(runs: &[RunStats]) -> String {
         }
         row.extend(collectives.iter().map(|c| csv_num(r.comm_bytes_of(c))));
         row.push(r.timing.peak_rss_bytes.map_or(String::new(), |b| b.to_string()));
+        row.push(r.timing.device_peak_bytes.map_or(String::new(), |b| b.to_string()));
         csv += &(row.join(",") + "\n");
     }
     csv
