@@ -120,9 +120,10 @@ pub struct Staged<'g, B: Backend<f32>> {
     pinned: RefCell<BTreeSet<usize>>,
 }
 
-/// Spare staging buffers kept per length: a block's gather and its reduce-scatter in flight
-/// together, with one of each for the next block, at most.
-const SPARE_PER_LENGTH: usize = 4;
+/// Spare staging buffers kept per length. A staging buffer is given back when its collective
+/// completes, so at most two of one length are in use at once (a prefetched gather's beside the
+/// current one's); more would only hold pinned host memory, which is scarce on GPU nodes.
+const SPARE_PER_LENGTH: usize = 2;
 
 impl<'g, B: Backend<f32>> Staged<'g, B> {
     pub fn new(be: B, group: &'g Group) -> Self {
