@@ -253,7 +253,9 @@ start_daemons() {
 
 wait_idle() {
   local deadline states i=0
-  deadline=$(awk -v t="$(now)" -v d="$TIMEOUT" 'BEGIN { print t + d }')
+  # printf, not print: print writes a number with awk's 6 significant digits (1.79631e+09),
+  # which puts the deadline up to 5000 s before or after now depending on the clock.
+  deadline=$(awk -v t="$(now)" -v d="$TIMEOUT" 'BEGIN { printf "%.3f", t + d }')
   while :; do
     states=$(sinfo -h -N -o '%T' 2>/dev/null | sort -u | tr '\n' ' ' || true)
     [ "$states" = "idle " ] && return 0
