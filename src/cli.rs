@@ -639,8 +639,8 @@ fn train_on_gpu(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummar
             crate::train::train(be.clone(), nccl.collectives(), res, mesh, out_dir, peak)
         }
         CommBackend::Mpi => {
-            let mpi = crate::backend::cuda::mpi::CudaAwareMesh::new(&be, mesh);
-            crate::train::train(be.clone(), mpi.collectives(), res, mesh, out_dir, peak)
+            let cuda_aware = crate::backend::cuda::cuda_aware::CudaAwareMesh::new(&be, mesh);
+            crate::train::train(be.clone(), cuda_aware.collectives(), res, mesh, out_dir, peak)
         }
         _ => {
             let staged = StagedMesh::new(&be, mesh);

@@ -304,16 +304,9 @@ impl Group {
     }
 
     /// Counts one collective another library ran on this group's ranks (NCCL on a device's
-    /// buffers), so the group's counters hold all of its traffic.
-    pub fn count(&self, kind: &'static str, bytes: usize, start: Instant) {
-        if self.size > 1 {
-            self.record(kind, bytes, start);
-        }
-    }
-
-    /// Counts one collective another library ran asynchronously on this group's ranks, timed
-    /// on the device (`seconds`: from its start to its end there).
-    pub fn count_seconds(&self, kind: &'static str, bytes: usize, seconds: f64) {
+    /// buffers, timed there: `seconds` from its start to its end on the device), so the
+    /// group's counters hold all of its traffic.
+    pub fn count(&self, kind: &'static str, bytes: usize, seconds: f64) {
         if self.size > 1 {
             self.add(kind, bytes, seconds);
         }

@@ -330,7 +330,6 @@ impl Backend<f32> for GpuBackend {
         }
     }
 
-    /// Device memory: the host stages through copies.
     fn pin_host(&self, host: &mut [f32]) -> bool {
         use cudarc::driver::sys;
         if host.is_empty() || self.gpu().stream.context().bind_to_thread().is_err() {
@@ -350,6 +349,7 @@ impl Backend<f32> for GpuBackend {
         }
     }
 
+    /// Device memory: the host stages through copies.
     fn host<'b>(&self, _b: &'b DevBuf<f32>) -> Option<&'b [f32]> {
         None
     }

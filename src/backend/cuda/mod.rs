@@ -21,9 +21,9 @@ pub mod attention;
 pub mod backend;
 mod blas;
 pub mod check;
+pub mod cuda_aware;
 mod device;
 mod launch;
-pub mod mpi;
 pub mod nccl;
 
 pub use blas::{gemm_config, Operand};

@@ -109,7 +109,7 @@ impl<'g> NcclGroup<'g> {
         *untimed = pending;
         for e in done {
             let ms = nccl("reading a collective's time", e.start.elapsed_ms(&e.end));
-            self.group.count_seconds(e.kind, e.bytes, f64::from(ms) / 1e3);
+            self.group.count(e.kind, e.bytes, f64::from(ms) / 1e3);
         }
     }
 
