@@ -383,22 +383,10 @@ fn run_probe(threads: usize) -> i32 {
     0
 }
 
-/// Large buffers (≥ 1 MiB) always get their own mapping and go back to the system when freed.
-/// glibc otherwise raises its mmap threshold after the first such free, and the transient
-/// buffers of later steps then stay resident as heap fragments: the resident set would drift
-/// above the live memory that `ndtrain plan` predicts (measured: 6–10 MiB of noise per rank).
-fn fix_mmap_threshold() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes the allocator's tuning; called before any thread starts.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-    }
-}
-
 fn run_train(deck_path: PathBuf, set: Vec<String>) -> i32 {
     // The clock of `[run] max_walltime` starts now.
     crate::run::preempt::process_start();
-    fix_mmap_threshold();
+    crate::backend::cpu::heap::fix_mmap_threshold();
     let rt = Runtime::init();
     let world = rt.world();
     set_root(world.rank() == 0);

@@ -26,9 +26,11 @@ const MODEL: &[&str] = &[
     "optim.warmup_steps=1",
 ];
 
-/// Predicted peak vs measured peak-RSS growth: measured 0.93-0.98 on these layouts (the
-/// prediction omits MPI's buffers, rayon's stacks and the GEMM's packing buffers).
-const PEAK_TOL: f64 = 0.10;
+/// Predicted peak vs measured peak-RSS growth: measured 0.88-0.97 on these layouts. The
+/// prediction omits MPI's buffers, rayon's stacks and the GEMM's packing buffers, of which the
+/// allocator keeps the largest per GEMM thread for reuse (`backend::cpu::heap`: 4-8 MiB here, a
+/// few percent of these small runs' growth).
+const PEAK_TOL: f64 = 0.15;
 
 fn timing_last_row(out: &std::path::Path) -> std::collections::BTreeMap<String, f64> {
     timing_last_row_of(out, 0)

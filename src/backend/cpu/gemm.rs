@@ -174,27 +174,31 @@ unsafe fn gemm_raw<T: Real>(
     b: *const T,
     (b_rs, b_cs): (usize, usize),
 ) {
-    gemm::gemm(
-        m,
-        n,
-        k,
-        c,
-        c_cs as isize,
-        c_rs as isize,
-        accumulate,
-        a,
-        a_cs as isize,
-        a_rs as isize,
-        b,
-        b_cs as isize,
-        b_rs as isize,
-        T::ONE,
-        T::ONE,
-        false,
-        false,
-        false,
-        gemm::Parallelism::None,
-    );
+    // The packing buffers `gemm` allocates and frees in every call come from, and go back to,
+    // this thread's spare block (`heap`): the next product reuses their pages.
+    super::heap::with_spare_blocks(|| {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c,
+            c_cs as isize,
+            c_rs as isize,
+            accumulate,
+            a,
+            a_cs as isize,
+            a_rs as isize,
+            b,
+            b_cs as isize,
+            b_rs as isize,
+            T::ONE,
+            T::ONE,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    });
 }
 
 /// Runs two independent GEMM-bound jobs side by side, each on its share of the rank's GEMM

@@ -3,7 +3,7 @@
 //! against, and what training runs on by default. Its kernels live beside it: `gemm` (the GEMM
 //! and the linear layers), `kernels` (norms, RoPE transposes, SwiGLU, cross entropy), `attention`
 //! (flash-style causal attention), `adamw`, `probe` (the GEMM, FMA-peak and memory rates
-//! of this rank's threads) and `features` (the CPU features the build uses, checked at start). A rank's threads are shared by the GEMM and rayon's pool ([`use_threads`]).
+//! of this rank's threads), `heap` (the host memory policy: mmap threshold, a spare GEMM block per thread) and `features` (the CPU features the build uses, checked at start). A rank's threads are shared by the GEMM and rayon's pool ([`use_threads`]).
 //!
 //! With [`Precision::Bf16`] the linear layers round their operands to bf16 (nearest even)
 //! before an f32 GEMM: what the GPU's bf16 tensor-core GEMMs compute up to summation order, so
@@ -13,6 +13,7 @@ pub mod adamw;
 pub mod attention;
 pub mod features;
 pub mod gemm;
+pub mod heap;
 pub mod kernels;
 pub mod probe;
 
