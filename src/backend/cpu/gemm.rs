@@ -175,7 +175,7 @@ unsafe fn gemm_raw<T: Real>(
     (b_rs, b_cs): (usize, usize),
 ) {
     // The packing buffers `gemm` allocates and frees in every call come from, and go back to,
-    // this thread's spare block (`heap`): the next product reuses their pages.
+    // the spare blocks (`heap`): the next product reuses their pages.
     super::heap::with_spare_blocks(|| {
         gemm::gemm(
             m,

@@ -9,7 +9,7 @@
 //! first touch — 40 000 page faults per bench_small step, and on two threads every unmap also
 //! interrupts the other core to flush its TLB (`benches/results/host_heap.md`).
 //!
-//! [`SpareBlockAlloc`], the process's allocator, keeps the largest blocks the GEMM's calls
+//! `SpareBlockAlloc`, the process's allocator, keeps the largest blocks the GEMM's calls
 //! freed ([`with_spare_blocks`]) — one per GEMM thread of the rank — and hands one back for the
 //! next large request inside a GEMM call that it can hold, so the next product reuses the pages
 //! of the last one. The rank thus retains at most its largest packing buffer per GEMM thread —
@@ -22,7 +22,7 @@ use std::sync::Mutex;
 
 /// Blocks of at least this many bytes are large: the mmap threshold [`fix_mmap_threshold`]
 /// sets, below which glibc's heap reuses memory by itself.
-pub const LARGE: usize = 1 << 20;
+const LARGE: usize = 1 << 20;
 
 /// Makes glibc map every block of at least [`LARGE`] bytes by itself and unmap it on free.
 /// Without a fixed threshold glibc raises it after the first such free, and the transient
@@ -72,7 +72,7 @@ fn free(ptr: *mut u8) {
 const MAX_SPARES: usize = 64;
 
 /// Freed large blocks kept for reuse: at most `limit` of them, the largest seen.
-pub struct Spares {
+struct Spares {
     blocks: [*mut u8; MAX_SPARES],
 }
 
@@ -80,12 +80,12 @@ pub struct Spares {
 unsafe impl Send for Spares {}
 
 impl Spares {
-    pub const fn new() -> Self {
+    const fn new() -> Self {
         Spares { blocks: [std::ptr::null_mut(); MAX_SPARES] }
     }
 
     /// Removes and returns a block that holds `layout` (the smallest such), if any.
-    pub fn take(&mut self, layout: Layout) -> Option<*mut u8> {
+    fn take(&mut self, layout: Layout) -> Option<*mut u8> {
         let fits = |p: *mut u8| !p.is_null() && p as usize % layout.align() == 0 && capacity(p) >= layout.size();
         let i = (0..MAX_SPARES).filter(|&i| fits(self.blocks[i])).min_by_key(|&i| capacity(self.blocks[i]))?;
         Some(std::mem::replace(&mut self.blocks[i], std::ptr::null_mut()))
@@ -93,7 +93,7 @@ impl Spares {
 
     /// Keeps the freed block `ptr` if fewer than `limit` are kept, else in place of the smallest
     /// kept block if that one is smaller; returns the block to give back to the system.
-    pub fn put(&mut self, ptr: *mut u8, limit: usize) -> Option<*mut u8> {
+    fn put(&mut self, ptr: *mut u8, limit: usize) -> Option<*mut u8> {
         let limit = limit.clamp(1, MAX_SPARES);
         if let Some(i) = self.blocks[..limit].iter().position(|p| p.is_null()) {
             self.blocks[i] = ptr;
@@ -108,43 +108,27 @@ impl Spares {
     }
 
     /// Bytes the kept blocks can hold.
-    pub fn bytes(&self) -> usize {
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
         self.blocks.iter().filter(|p| !p.is_null()).map(|&p| capacity(p)).sum()
-    }
-}
-
-impl Default for Spares {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
 /// The system allocator, with [`Spares`] for the large blocks allocated and freed inside
 /// [`with_spare_blocks`]: as many as the rank has GEMM threads.
-pub struct SpareBlockAlloc {
+struct SpareBlockAlloc {
     spares: Mutex<Spares>,
 }
 
 impl SpareBlockAlloc {
-    pub const fn new() -> Self {
+    const fn new() -> Self {
         SpareBlockAlloc { spares: Mutex::new(Spares::new()) }
-    }
-
-    /// Bytes of the spare blocks kept.
-    pub fn spare_bytes(&self) -> usize {
-        self.lock().bytes()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Spares> {
         // Every change to the set is complete before the next one starts: a panic elsewhere
         // cannot leave it inconsistent.
         self.spares.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl Default for SpareBlockAlloc {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -182,7 +166,7 @@ unsafe impl GlobalAlloc for SpareBlockAlloc {
 }
 
 #[global_allocator]
-pub static HEAP: SpareBlockAlloc = SpareBlockAlloc::new();
+static HEAP: SpareBlockAlloc = SpareBlockAlloc::new();
 
 #[cfg(test)]
 mod tests {
