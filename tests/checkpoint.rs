@@ -416,7 +416,8 @@ fn an_incompatible_or_missing_checkpoint_is_a_clear_error() {
 /// After a resume the ETA comes from this job's own pace: resumed at step 10 of 30 with every
 /// step slowed to 150 ms, the ETA printed at step 14 is within 20 % of the time the remaining
 /// 16 steps then take (measured by `metrics.csv`'s `elapsed_s`). Dividing by the absolute step
-/// would predict a third of it.
+/// would predict a third of it; counting the job's first step, with its start-up costs, in the
+/// pace would overestimate it.
 #[test]
 fn the_eta_after_a_resume_follows_this_jobs_pace() {
     let dir = tempfile::tempdir().unwrap();

@@ -121,6 +121,9 @@ struct Run<'g, B: Backend<f32>> {
     flops_per_token: f64,
     entropy_floor: Option<f64>,
     run_start: Instant,
+    /// The job's elapsed seconds at the end of its first step, which carries one-off costs
+    /// (thread start-up, first touch of every buffer) the ETA leaves out.
+    first_step_end_s: Option<f64>,
     /// Per step: the loss, the training time (no checkpoint, no logging).
     losses: Vec<f64>,
     /// The held-out losses computed so far, with their step.
@@ -208,6 +211,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             flops_per_token,
             entropy_floor,
             run_start: Instant::now(),
+            first_step_end_s: None,
             losses: Vec::with_capacity(steps as usize),
             val_losses: vec![],
             step_times: vec![],
@@ -372,6 +376,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         };
         self.timing.append(&timing)?;
         let elapsed = self.run_start.elapsed().as_secs_f64();
+        self.first_step_end_s.get_or_insert(elapsed);
         let train_s = *self.step_times.last().expect("the step was recorded");
         let tps = (self.res.global_batch * self.res.deck.train.seq_len) as f64 / train_s;
         let world = self.mesh.world.size();
@@ -395,9 +400,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         let due = s1 % self.res.deck.log.every == 0 || s1 == self.first_step + 1 || s1 == self.steps || self.preempted;
         if due || self.last_line.elapsed().as_secs_f64() >= CONSOLE_EVERY_S {
             self.last_line = Instant::now();
-            // From this job's own pace: after a resume the steps before `first_step` took no
-            // time here.
-            let eta = elapsed / (s1 - self.first_step) as f64 * (self.steps - s1) as f64;
+            let eta = self.eta(s1, elapsed);
             say!(
                 "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>10.0} {:>5.1}% {:>9} {:>8}",
                 s1,
@@ -413,6 +416,16 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         }
         self.last_log_s = t_log.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// The seconds left after step `s1`, `elapsed` seconds into the job, at this job's own
+    /// pace: after a resume the steps before `first_step` took no time here. Past the job's
+    /// first step the pace leaves that step out, as its one-off costs do not recur.
+    fn eta(&self, s1: u64, elapsed: f64) -> f64 {
+        let ran = s1 - self.first_step;
+        let first_end = self.first_step_end_s.unwrap_or(elapsed);
+        let per_step = if ran > 1 { (elapsed - first_end) / (ran - 1) as f64 } else { elapsed };
+        per_step * (self.steps - s1) as f64
     }
 
     /// The end of the run: the summary across ranks, the invariants, the export.
