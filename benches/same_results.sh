@@ -7,9 +7,12 @@
 #
 #   benches/same_results.sh OLD_BINARY NEW_BINARY          # e.g. a build of main vs this tree
 #
-# The runs: inputs/tiny.toml (150 steps) on 1 rank, FSDP 2 × TP 2, CP 2 × TP 2 and HSDP 2 × 2
-# (grad_accum 2 there), and inputs/bench_small.toml for 3 steps on 1 rank; each writes a
-# checkpoint at its last step.
+# The runs: inputs/tiny.toml (150 steps) on 1 rank, FSDP 2 × TP 2, CP 2 × TP 2, HSDP 2 × 2
+# (grad_accum 2 there), PP 2 under 1F1B and under zero bubble with tied embeddings (8
+# micro-batches each; both also evaluate a held-out loss every 50 steps, which runs the
+# pipeline's forward-only schedule), and inputs/bench_small.toml for 3 steps on 1 rank; each
+# writes a checkpoint at its last step. The losses compared are metrics.csv's `loss` and
+# `val_loss` columns.
 set -euo pipefail
 
 OLD="${1:?usage: $0 OLD_BINARY NEW_BINARY}"
@@ -26,6 +29,8 @@ RUNS=(
     "tiny_fsdp2_tp2|4|inputs/tiny.toml|--set parallel.dp_shard=2 --set parallel.tp=2"
     "tiny_cp2_tp2|4|inputs/tiny.toml|--set parallel.cp=2 --set parallel.tp=2"
     "tiny_hsdp2x2|4|inputs/tiny.toml|--set parallel.dp_replicate=2 --set parallel.dp_shard=2"
+    "tiny_pp2_1f1b|2|inputs/tiny.toml|--set parallel.pp=2 --set parallel.pp_schedule=\"1f1b\" --set eval.every=50"
+    "tiny_pp2_zb_tied|2|inputs/tiny.toml|--set parallel.pp=2 --set parallel.pp_schedule=\"zero_bubble\" --set model.tie_embeddings=true --set eval.every=50"
     "bench_small_1|1|inputs/bench_small.toml|--set run.steps=3 --set optim.warmup_steps=1"
 )
 
@@ -54,7 +59,9 @@ for spec in "${RUNS[@]}"; do
              --set checkpoint.every=1000000 --set run.out_dir="\"$dir\"")
         echo "+ ${cmd[*]}"
         "${cmd[@]}" > "$OUT/$which.$name.log" 2>&1 || { echo "FAILED: see $OUT/$which.$name.log"; exit 1; }
-        cut -d, -f2 "$dir/metrics.csv" > "$dir/losses.txt"
+        # The loss and val_loss columns, found by name in the header.
+        awk -F, 'NR == 1 { for (i = 1; i <= NF; i++) col[$i] = i } { print $col["loss"] "," (col["val_loss"] ? $col["val_loss"] : "") }' \
+            "$dir/metrics.csv" > "$dir/losses.txt"
         checksums "$(ls "$dir"/ckpt/step_*.h5 | tail -n 1)" > "$dir/checksums.txt"
     done
     for f in losses checksums; do

@@ -30,10 +30,31 @@ pub fn zigzag_positions(seq_len: usize, cp: usize, rank: usize) -> Vec<usize> {
 
 /// This cp rank's share of `[rows, seq_len]` tokens: `[rows, seq_len / cp]`, the zigzag
 /// chunks in order, with their global positions.
-pub fn local_tokens(tokens: &[u32], seq_len: usize, cp: usize, rank: usize) -> (Vec<u32>, Vec<usize>) {
+fn local_tokens(tokens: &[u32], seq_len: usize, cp: usize, rank: usize) -> (Vec<u32>, Vec<usize>) {
     let positions = zigzag_positions(seq_len, cp, rank);
     let local = tokens.chunks(seq_len).flat_map(|row| positions.iter().map(move |&p| row[p])).collect();
     (local, positions)
+}
+
+/// The tokens of one micro-batch as a rank holds them: its share of the sequences (its
+/// zigzag chunks) and their global positions.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalBatch {
+    /// `[rows, seq_len / cp]`
+    pub inputs: Vec<u32>,
+    /// `[rows, seq_len / cp]`
+    pub targets: Vec<u32>,
+    /// `[seq_len / cp]`: the same for every row.
+    pub positions: Vec<usize>,
+}
+
+impl LocalBatch {
+    /// Cp rank `rank`'s share of a micro-batch of `[rows, seq_len]` inputs and targets.
+    pub fn of(inputs: &[u32], targets: &[u32], seq_len: usize, cp: usize, rank: usize) -> LocalBatch {
+        let (inputs, positions) = local_tokens(inputs, seq_len, cp, rank);
+        let (targets, _) = local_tokens(targets, seq_len, cp, rank);
+        LocalBatch { inputs, targets, positions }
+    }
 }
 
 /// Bytes the ring moves per optimiser step on one rank (the bytes each rank sends): per block

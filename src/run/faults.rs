@@ -99,9 +99,56 @@ fn parse_fault(spec: &str) -> Result<Fault, String> {
     Ok(Fault { step, rank: rank.unwrap_or(0), tensor })
 }
 
-/// Whether `f` fires on world rank `rank` at 1-based step `step`.
+impl Fault {
+    /// Whether the fault fires on world rank `rank` at 1-based step `step`.
+    pub fn fires(&self, rank: usize, step: u64) -> bool {
+        self.rank == rank && self.step == step
+    }
+}
+
+/// Whether `f` is set and fires on world rank `rank` at 1-based step `step`.
 pub fn fires(f: &Option<Fault>, rank: usize, step: u64) -> bool {
-    f.as_ref().is_some_and(|f| f.rank == rank && f.step == step)
+    f.as_ref().is_some_and(|f| f.fires(rank, step))
+}
+
+/// Every fault a run injects, read from the environment once at its start (a malformed value
+/// is an error before the first step).
+#[derive(Clone, Debug, Default)]
+pub struct Faults {
+    pub step_delay: Option<Duration>,
+    pub fail: Option<Fault>,
+    pub hang: Option<Fault>,
+    pub nan_grad: Option<Fault>,
+    pub device_error: Option<Fault>,
+    pub checkpoint_write_error: Option<Fault>,
+}
+
+impl Faults {
+    pub fn from_env() -> Result<Faults, String> {
+        Ok(Faults {
+            step_delay: step_delay()?,
+            fail: fault(FAIL_ENV)?,
+            hang: fault(HANG_ENV)?,
+            nan_grad: fault(NAN_GRAD_ENV)?,
+            device_error: fault(DEVICE_ERROR_ENV)?,
+            checkpoint_write_error: fault(CHECKPOINT_WRITE_ERROR_ENV)?,
+        })
+    }
+
+    /// At the start of step `s1` on world rank `rank`: the injected failure (an error) or hang
+    /// (this rank sleeps for good, as a rank stuck in I/O would).
+    pub fn at_step_start(&self, rank: usize, s1: u64) -> Result<(), String> {
+        if fires(&self.fail, rank, s1) {
+            return Err(format!("injected failure ({FAIL_ENV}) at step {s1}"));
+        }
+        if fires(&self.hang, rank, s1) {
+            eprintln!("rank {rank}: {HANG_ENV} at step {s1}: this rank stops making progress");
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ pub mod placement;
 pub mod preempt;
 pub mod preflight;
 pub mod provenance;
+pub mod stop;
 pub mod watchdog;
 
 /// An error that ends a run on this rank (the command line aborts the job with it).

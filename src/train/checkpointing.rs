@@ -11,7 +11,7 @@ use crate::io::checkpoint::{self as ckpt, DataState, LoadError, Meta, WriteContr
 use crate::metrics::{peak_rss_bytes, rss_bytes, CheckpointIo, CheckpointIoLog};
 use crate::model::params::param_specs;
 use crate::parallel::mesh::Mesh;
-use crate::run::faults;
+use crate::run::faults::{self, Faults};
 use crate::run::watchdog::beat;
 use crate::run::{AgreedFailure, Error};
 use crate::say;
@@ -173,9 +173,9 @@ pub(super) fn save<B: Backend<f32> + Clone>(
     state: &ModelState<'_, B>,
     res: &Resolved,
     mesh: &Mesh,
-    dir: &Path,
-    step: u64,
+    (dir, step): (&Path, u64),
     log: &mut Option<CheckpointIoLog>,
+    faults: &Faults,
 ) -> Result<(), Error> {
     let deck = &res.deck;
     let l = res.layout;
@@ -194,11 +194,10 @@ pub(super) fn save<B: Backend<f32> + Clone>(
     };
     let rss_before = mesh.world.min_max_sum_f64(rss_bytes() as f64).1 as u64;
     let rank = mesh.world.rank();
-    let write_error = faults::fault(faults::CHECKPOINT_WRITE_ERROR_ENV)?;
     let control = WriteControl {
         progress: &|what: &str| beat(|| what.to_string()),
         abort: faults::abort_during_checkpoint().map(|s| (faults::ABORT_DURING_CHECKPOINT_ENV, s)),
-        fail: faults::fires(&write_error, rank, step)
+        fail: faults::fires(&faults.checkpoint_write_error, rank, step)
             .then(|| format!("rank {rank}: injected write error ({})", faults::CHECKPOINT_WRITE_ERROR_ENV)),
     };
     let report = state.with_host_state(|blocks, slots| {

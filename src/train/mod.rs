@@ -22,7 +22,7 @@ use crate::metrics::{
 use crate::parallel::collective::MeshCollectives;
 use crate::parallel::comm::CommCount;
 use crate::parallel::mesh::Mesh;
-use crate::run::faults::{self, fires, Fault};
+use crate::run::stop::{Stop, StopPolicy};
 use crate::run::watchdog::{beat, Watchdog};
 use crate::say;
 use state::{ModelState, Start};
@@ -41,7 +41,8 @@ pub struct RunSummary {
     pub entropy_floor: Option<f64>,
     pub activation_bytes: usize,
     pub mean_step_s: f64,
-    /// A stop signal ended the run early, after writing a checkpoint.
+    /// The run stopped early to be continued — a stop signal, `[run] max_walltime` or the
+    /// batch job's time limit, or `[run] stop_after_steps` — after writing a checkpoint.
     pub preempted: bool,
     /// Steps whose update `on_nonfinite = "skip"` skipped.
     pub skipped_steps: u64,
@@ -106,50 +107,66 @@ pub fn train<B: Backend<f32> + Clone>(
 /// The longest a run stays silent on the console, in seconds.
 const CONSOLE_EVERY_S: f64 = 300.0;
 
+/// The checkpoints of a run: where they go, their record (`checkpoint_io.csv`, rank 0), and
+/// those written so far (step and file).
+struct Checkpoints {
+    dir: PathBuf,
+    log: Option<CheckpointIoLog>,
+    written: Vec<(u64, PathBuf)>,
+}
+
+/// The run's logs: `metrics.csv` (rank 0), this rank's timing log, the time spent writing the
+/// previous step's logs (the timing log's `log_s`), and when the console last had a line (one
+/// at least every `CONSOLE_EVERY_S`).
+struct Logs {
+    metrics: Option<MetricsCsv>,
+    timing: TimingLog,
+    last_log_s: f64,
+    last_line: Instant,
+}
+
+/// What the steps of this job measured: each step's loss and training time (no checkpoint,
+/// no logging), the held-out losses with their step, the phase totals and the skipped updates.
+#[derive(Default)]
+struct History {
+    losses: Vec<f64>,
+    val_losses: Vec<(u64, f64)>,
+    step_times: Vec<f64>,
+    totals: PhaseTimes,
+    skipped: u64,
+}
+
+/// This job's pace, for the ETA: when the loop started, and the job's elapsed seconds at the
+/// end of its first step, which carries one-off costs (thread start-up, first touch of every
+/// buffer) the ETA leaves out.
+struct Pace {
+    start: Instant,
+    first_step_end_s: Option<f64>,
+}
+
+/// The rates MFU is computed from: FLOPs per token and the peak per rank.
+struct Rates {
+    flops_per_token: f64,
+    peak: f64,
+}
+
 /// One rank's run: the trainer and everything the loop records around it.
 struct Run<'g, B: Backend<f32>> {
     trainer: Trainer<'g, B>,
     res: &'g Resolved,
     mesh: &'g Mesh,
+    /// The checkpoint this job resumed from (0 when fresh) and the run's last step.
     first_step: u64,
     steps: u64,
-    ckpt_dir: PathBuf,
-    ckpt_log: Option<CheckpointIoLog>,
-    metrics: Option<MetricsCsv>,
-    timing: TimingLog,
-    peak: f64,
-    flops_per_token: f64,
-    entropy_floor: Option<f64>,
-    run_start: Instant,
-    /// The job's elapsed seconds at the end of its first step, which carries one-off costs
-    /// (thread start-up, first touch of every buffer) the ETA leaves out.
-    first_step_end_s: Option<f64>,
-    /// Per step: the loss, the training time (no checkpoint, no logging).
-    losses: Vec<f64>,
-    /// The held-out losses computed so far, with their step.
-    val_losses: Vec<(u64, f64)>,
-    step_times: Vec<f64>,
-    totals: PhaseTimes,
-    /// Time spent writing the previous step's logs (the timing log's `log_s`).
-    last_log_s: f64,
-    /// When the last console line was printed (one at least every `CONSOLE_EVERY_S`).
-    last_line: Instant,
-    skipped: u64,
+    stop: StopPolicy,
+    /// The run stopped early (a signal, a time limit, the job's quota), after a checkpoint.
     preempted: bool,
-    /// The checkpoints written so far: step and file.
-    written: Vec<(u64, PathBuf)>,
-    /// For `[run] max_walltime`: the last step boundary, the longest a step took from one
-    /// boundary to the next (its checkpoint left out), the checkpoint time since the last
-    /// boundary, and the last checkpoint's time.
-    last_boundary: Instant,
-    slowest_step_s: f64,
-    ckpt_since_boundary_s: f64,
-    last_ckpt_s: Option<f64>,
-    /// The stop-signal lead-time warning was printed.
-    lead_warned: bool,
-    debug_delay: Option<Duration>,
-    fail: Option<Fault>,
-    hang: Option<Fault>,
+    ckpt: Checkpoints,
+    logs: Logs,
+    history: History,
+    pace: Pace,
+    rates: Rates,
+    entropy_floor: Option<f64>,
     watchdog: Option<Watchdog>,
 }
 
@@ -172,7 +189,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         // This rank's shards (the whole model when the fsdp degree is 1): tensors are first cut
         // for tensor parallelism (this tp rank's piece), then sharded over fsdp. A resumed or
         // imported model is read slice by slice into zero shards.
-        let (dims, _) = step::rank_pieces(res, mesh);
+        let (dims, _) = crate::parallel::pp::rank_pieces(res, mesh);
         let start = if from_files { Start::Empty } else { Start::Seeded(deck.run.seed) };
         let overlap = (deck.parallel.reshard_after_forward, deck.parallel.overlap);
         let mut state = ModelState::new(&be, &dims, &comms, start, overlap, &deck.optim, mesh.dp_rep.rank() == 0);
@@ -185,14 +202,13 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         let entropy_floor = sources.train.entropy_floor(deck.train.seq_len);
         summary::say_data(&sources, entropy_floor);
         let trainer = Trainer::new(be, comms, res, mesh, state, sources)?;
-        summary::warn_if_data_wraps(res, trainer.loader.samples_per_epoch());
+        summary::warn_if_data_wraps(res, trainer.data.loader.samples_per_epoch());
 
         let metrics = rank0.then(|| MetricsCsv::create(&out_dir.join("metrics.csv"), first_step)).transpose()?;
         let timing = TimingLog::create(&out_dir.join("timing"), mesh.world.rank(), first_step, rss_before_load)?;
         let flops_per_token = crate::metrics::flops_per_token(&deck.model, deck.train.seq_len);
         summary::say_model(res, trainer.backend().describe(), &peak, flops_per_token);
         crate::run::preempt::install()?;
-        faults::fault(faults::CHECKPOINT_WRITE_ERROR_ENV)?;
         let steps = deck.run.steps;
         if first_step >= steps {
             say!("the checkpoint is at step {first_step}, [run] steps = {steps}: nothing left to train");
@@ -203,32 +219,14 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             mesh,
             first_step,
             steps,
-            ckpt_dir,
-            ckpt_log,
-            metrics,
-            timing,
-            peak: peak.flops,
-            flops_per_token,
-            entropy_floor,
-            run_start: Instant::now(),
-            first_step_end_s: None,
-            losses: Vec::with_capacity(steps as usize),
-            val_losses: vec![],
-            step_times: vec![],
-            totals: PhaseTimes::default(),
-            last_log_s: 0.0,
-            last_line: Instant::now(),
-            last_boundary: Instant::now(),
-            slowest_step_s: 0.0,
-            ckpt_since_boundary_s: 0.0,
-            last_ckpt_s: None,
-            lead_warned: false,
-            skipped: 0,
+            stop: StopPolicy::new(&deck.run, first_step),
             preempted: false,
-            written: vec![],
-            debug_delay: faults::step_delay()?,
-            fail: faults::fault(faults::FAIL_ENV)?,
-            hang: faults::fault(faults::HANG_ENV)?,
+            ckpt: Checkpoints { dir: ckpt_dir, log: ckpt_log, written: vec![] },
+            logs: Logs { metrics, timing, last_log_s: 0.0, last_line: Instant::now() },
+            history: History { losses: Vec::with_capacity(steps as usize), ..Default::default() },
+            pace: Pace { start: Instant::now(), first_step_end_s: None },
+            rates: Rates { flops_per_token, peak: peak.flops },
+            entropy_floor,
             watchdog: Watchdog::start(Duration::from_secs_f64(deck.run.watchdog_seconds), mesh.world.rank()),
         })
     }
@@ -236,78 +234,35 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
     /// The debug options that make this rank fail or hang at step `s1` (`docs/debugging.md`).
     fn injected_faults(&self, s1: u64) -> Result<(), Error> {
         beat(|| format!("step {s1}: start"));
-        let rank = self.mesh.world.rank();
-        if fires(&self.fail, rank, s1) {
-            return Err(format!("injected failure ({}) at step {s1}", faults::FAIL_ENV).into());
-        }
-        if fires(&self.hang, rank, s1) {
-            eprintln!("rank {rank}: {} at step {s1}: this rank stops making progress", faults::HANG_ENV);
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
-        }
-        Ok(())
+        Ok(self.trainer.faults.at_step_start(self.mesh.world.rank(), s1)?)
     }
 
     /// Records step `s1`'s training time and loss.
     fn stepped(&mut self, s1: u64, out: &StepOutcome, start: Instant) {
+        let h = &mut self.history;
         if !out.updated {
-            self.skipped += 1;
-            say_skipped(s1, out, self.skipped);
+            h.skipped += 1;
+            say_skipped(s1, out, h.skipped);
         }
-        self.step_times.push(start.elapsed().as_secs_f64());
-        self.losses.push(out.loss);
-        if let Some(d) = self.debug_delay {
+        h.step_times.push(start.elapsed().as_secs_f64());
+        h.losses.push(out.loss);
+        if let Some(d) = self.trainer.faults.step_delay {
             std::thread::sleep(d);
         }
     }
 
-    /// Whether the run stops after step `s1`, and why: a stop signal reached a rank, or (before
-    /// the last step) the next step and a checkpoint would end past `[run] max_walltime` on a
-    /// rank. Agreed at this step boundary, so every rank stops here, with a checkpoint.
-    fn stop_requested(&mut self, s1: u64, pt: &mut PhaseTimes) -> Option<String> {
-        use crate::run::preempt;
+    /// Whether the run stops after step `s1`, and why (`run::stop`): agreed at this step
+    /// boundary, so every rank stops here, with a checkpoint.
+    fn stop_requested(&mut self, s1: u64, pt: &mut PhaseTimes) -> Option<Stop> {
         let t = Instant::now();
-        let step_s = (t - self.last_boundary).as_secs_f64() - std::mem::take(&mut self.ckpt_since_boundary_s);
-        self.slowest_step_s = self.slowest_step_s.max(step_s);
-        self.last_boundary = t;
-        let (limit, what) = preempt::limit(self.res.deck.run.max_walltime);
-        let elapsed = preempt::process_start().elapsed().as_secs_f64();
-        // Until a checkpoint has been timed, one is taken to cost as much as a step.
-        let ckpt_s = self.last_ckpt_s.unwrap_or(self.slowest_step_s);
-        let walltime = s1 < self.steps && preempt::walltime_exceeded(limit, elapsed, self.slowest_step_s, ckpt_s);
-        let lead = self.res.deck.run.signal_lead_time;
-        if lead > 0.0 && !self.lead_warned && self.slowest_step_s + ckpt_s > lead {
-            self.lead_warned = true;
-            say!(
-                "warning: a step (up to {:.1} s) and a checkpoint (~{ckpt_s:.1} s) take longer than the scheduler's stop-signal \
-                 lead time ([run] signal_lead_time = {lead} s): a job stopped by that signal may be killed before its \
-                 checkpoint is complete; ask for the signal earlier (sbatch --signal=USR1@{:.0}) or set [run] \
-                 stop_before_job_end = true",
-                self.slowest_step_s,
-                2.0 * (self.slowest_step_s + ckpt_s).ceil()
-            );
-        }
-        let quota = self.res.deck.run.stop_after_steps;
-        let quota_done = quota > 0 && s1 < self.steps && s1 - self.first_step >= quota;
-        let mut stop = [preempt::requested() as u64, walltime as u64, quota_done as u64];
-        self.mesh.world.agree_max_u64(&mut stop);
+        let stop = self.stop.at_boundary(s1, &self.mesh.world);
         pt[Phase::Wait] += t.elapsed().as_secs_f64();
-        self.preempted = stop != [0, 0, 0];
-        match stop {
-            [1, _, _] => Some("stop signal (SIGTERM/SIGUSR1)".into()),
-            [_, 1, _] => Some(format!(
-                "{what}: {elapsed:.1} s in, a step (up to {:.2} s) and a checkpoint (~{ckpt_s:.2} s) \
-                 would end past it",
-                self.slowest_step_s
-            )),
-            [_, _, 1] => Some(format!("[run] stop_after_steps = {quota}: this job's share of the run is done")),
-            _ => None,
-        }
+        self.preempted = stop.is_some();
+        stop
     }
 
     /// A checkpoint after step `s1`: every `[checkpoint] every` steps, at the last step, and
-    /// when the run stops on a signal.
+    /// when the run stops early.
     fn checkpoint_due(&self, s1: u64) -> bool {
         let every = self.res.deck.checkpoint.every;
         self.preempted || (every > 0 && (s1 % every == 0 || s1 == self.steps))
@@ -316,12 +271,12 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
     fn checkpoint(&mut self, s1: u64, pt: &mut PhaseTimes) -> Result<(), Error> {
         beat(|| format!("step {s1}: writing a checkpoint"));
         let t = Instant::now();
-        checkpointing::save(&self.trainer.state, self.res, self.mesh, &self.ckpt_dir, s1, &mut self.ckpt_log)?;
+        let c = &mut self.ckpt;
+        checkpointing::save(&self.trainer.state, self.res, self.mesh, (&c.dir, s1), &mut c.log, &self.trainer.faults)?;
         let secs = t.elapsed().as_secs_f64();
         pt[Phase::Checkpoint] += secs;
-        self.ckpt_since_boundary_s += secs;
-        self.last_ckpt_s = Some(secs);
-        self.written.push((s1, self.ckpt_dir.join(ckpt::file_name(s1))));
+        self.stop.checkpointed(secs);
+        c.written.push((s1, c.dir.join(ckpt::file_name(s1))));
         Ok(())
     }
 
@@ -337,15 +292,62 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         let secs = t.elapsed().as_secs_f64();
         pt[Phase::Eval] += secs;
         say!("  eval after step {s1}: val_loss {loss:.6} over {} held-out batch(es) ({secs:.2} s)", eval.batches);
-        self.val_losses.push((s1, loss));
+        self.history.val_losses.push((s1, loss));
         Ok(Some(loss))
     }
 
     /// The step's row of the timing log and of `metrics.csv`, and its console line.
     fn log(&mut self, s1: u64, out: &StepOutcome, start: Instant, val_loss: Option<f64>) -> Result<(), Error> {
         let step_s = start.elapsed().as_secs_f64();
-        self.totals.add(&out.phases);
+        self.history.totals.add(&out.phases);
         let t_log = Instant::now();
+        self.append_timing(s1, step_s, &out.phases)?;
+        let elapsed = self.pace.start.elapsed().as_secs_f64();
+        self.pace.first_step_end_s.get_or_insert(elapsed);
+        let train_s = *self.history.step_times.last().expect("the step was recorded");
+        let tps = (self.res.global_batch * self.res.deck.train.seq_len) as f64 / train_s;
+        let world = self.mesh.world.size();
+        let rec = StepRecord {
+            step: s1,
+            loss: out.loss,
+            lr: out.lr,
+            grad_norm: out.grad_norm,
+            tokens_per_s: tps,
+            mfu: tps * self.rates.flops_per_token / (self.rates.peak * world as f64),
+            step_s: train_s,
+            elapsed_s: elapsed,
+            world,
+            val_loss,
+        };
+        if let Some(m) = self.logs.metrics.as_mut() {
+            m.append(&rec)?;
+        }
+        // Every `log.every` steps, and the first step of the job, the last, a stop, and at
+        // least every few minutes of a slow run.
+        let due = s1 % self.res.deck.log.every == 0 || s1 == self.first_step + 1 || s1 == self.steps || self.preempted;
+        if due || self.logs.last_line.elapsed().as_secs_f64() >= CONSOLE_EVERY_S {
+            self.logs.last_line = Instant::now();
+            let eta = self.eta(s1, elapsed);
+            say!(
+                "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>10.0} {:>5.1}% {:>9} {:>8}",
+                s1,
+                out.loss,
+                out.lr,
+                out.grad_norm,
+                tps,
+                tps / world as f64,
+                100.0 * rec.mfu,
+                fmt_duration(elapsed),
+                fmt_duration(eta)
+            );
+        }
+        self.logs.last_log_s = t_log.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Step `s1`'s row of this rank's timing log: its phases, every group's collectives since
+    /// the last row, and its memory.
+    fn append_timing(&mut self, s1: u64, step_s: f64, phases: &PhaseTimes) -> Result<(), Error> {
         let comm: BTreeMap<String, CommCount> = self
             .mesh
             .groups()
@@ -364,58 +366,9 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         };
         let attention_pairs = self.trainer.take_attention_pairs();
         let device_memory = self.trainer.backend().device_memory();
-        let timing = StepTiming {
-            step: s1,
-            step_s,
-            phases: &out.phases,
-            log_s: self.last_log_s,
-            comm: &comm,
-            mem: &mem,
-            attention_pairs,
-            device_memory,
-        };
-        self.timing.append(&timing)?;
-        let elapsed = self.run_start.elapsed().as_secs_f64();
-        self.first_step_end_s.get_or_insert(elapsed);
-        let train_s = *self.step_times.last().expect("the step was recorded");
-        let tps = (self.res.global_batch * self.res.deck.train.seq_len) as f64 / train_s;
-        let world = self.mesh.world.size();
-        let rec = StepRecord {
-            step: s1,
-            loss: out.loss,
-            lr: out.lr,
-            grad_norm: out.grad_norm,
-            tokens_per_s: tps,
-            mfu: tps * self.flops_per_token / (self.peak * world as f64),
-            step_s: train_s,
-            elapsed_s: elapsed,
-            world,
-            val_loss,
-        };
-        if let Some(m) = self.metrics.as_mut() {
-            m.append(&rec)?;
-        }
-        // Every `log.every` steps, and the first step of the job, the last, a stop, and at
-        // least every few minutes of a slow run.
-        let due = s1 % self.res.deck.log.every == 0 || s1 == self.first_step + 1 || s1 == self.steps || self.preempted;
-        if due || self.last_line.elapsed().as_secs_f64() >= CONSOLE_EVERY_S {
-            self.last_line = Instant::now();
-            let eta = self.eta(s1, elapsed);
-            say!(
-                "{:>6} {:>12.6} {:>10.3e} {:>9.4} {:>11.0} {:>10.0} {:>5.1}% {:>9} {:>8}",
-                s1,
-                out.loss,
-                out.lr,
-                out.grad_norm,
-                tps,
-                tps / world as f64,
-                100.0 * rec.mfu,
-                fmt_duration(elapsed),
-                fmt_duration(eta)
-            );
-        }
-        self.last_log_s = t_log.elapsed().as_secs_f64();
-        Ok(())
+        let timing =
+            StepTiming { step: s1, step_s, phases, log_s: self.logs.last_log_s, comm: &comm, mem: &mem, attention_pairs, device_memory };
+        Ok(self.logs.timing.append(&timing)?)
     }
 
     /// The seconds left after step `s1`, `elapsed` seconds into the job, at this job's own
@@ -423,7 +376,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
     /// first step the pace leaves that step out, as its one-off costs do not recur.
     fn eta(&self, s1: u64, elapsed: f64) -> f64 {
         let ran = s1 - self.first_step;
-        let first_end = self.first_step_end_s.unwrap_or(elapsed);
+        let first_end = self.pace.first_step_end_s.unwrap_or(elapsed);
         let per_step = if ran > 1 { (elapsed - first_end) / (ran - 1) as f64 } else { elapsed };
         per_step * (self.steps - s1) as f64
     }
@@ -431,30 +384,32 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
     /// The end of the run: the summary across ranks, the invariants, the export.
     fn finish(mut self) -> Result<RunSummary, Error> {
         drop(self.watchdog.take());
-        let total_s = self.run_start.elapsed().as_secs_f64();
-        summary::say_phase_table(self.mesh, &self.totals, total_s);
-        summary::say_totals(self.res, total_s, &self.step_times, self.entropy_floor, &self.losses);
+        let total_s = self.pace.start.elapsed().as_secs_f64();
+        let h = &self.history;
+        summary::say_phase_table(self.mesh, &h.totals, total_s);
+        summary::say_totals(self.res, total_s, &h.step_times, self.entropy_floor, &h.losses);
         let act = self.trainer.activation_bytes();
         summary::say_memory(&self.trainer.state, act);
         summary::check_tp_replicas(self.mesh, &self.trainer.state)?;
         if !self.res.deck.checkpoint.export_hf.is_empty() && !self.preempted {
             summary::export_hf(self.res, self.mesh, &mut self.trainer.state)?;
         }
-        summary::say_closing(&self.res.deck, self.skipped, act);
+        summary::say_closing(&self.res.deck, h.skipped, act);
+        let h = self.history;
         Ok(RunSummary {
-            losses: self.losses,
+            losses: h.losses,
             entropy_floor: self.entropy_floor,
             activation_bytes: act,
-            mean_step_s: self.step_times.iter().sum::<f64>() / self.step_times.len().max(1) as f64,
+            mean_step_s: h.step_times.iter().sum::<f64>() / h.step_times.len().max(1) as f64,
             preempted: self.preempted,
-            skipped_steps: self.skipped,
+            skipped_steps: h.skipped,
             first_step: self.first_step,
-            final_val_loss: self.val_losses.last().map(|&(_, l)| l),
+            final_val_loss: h.val_losses.last().map(|&(_, l)| l),
             tokens_per_step: self.res.tokens_per_step,
-            flops_per_token: self.flops_per_token,
-            peak_flops: self.peak,
+            flops_per_token: self.rates.flops_per_token,
+            peak_flops: self.rates.peak,
             world_size: self.mesh.world.size(),
-            checkpoints: self.written,
+            checkpoints: self.ckpt.written,
             train_s: total_s,
         })
     }

@@ -10,7 +10,6 @@ use crate::io::checkpoint::blocks::{shard_blocks, ShardBlock};
 use crate::model::params::Dims;
 use crate::optim::AdamRule;
 use crate::parallel::collective::MeshCollectives;
-use crate::parallel::comm::Group;
 use crate::parallel::fsdp::grads::FsdpGrads;
 use crate::parallel::fsdp::params::FsdpParams;
 use crate::parallel::fsdp::ShardPlan;
@@ -119,31 +118,6 @@ impl<'g, B: Backend<f32> + Clone> ModelState<'g, B> {
             let (m, v) = (&mut self.exp_avg[u], &mut self.exp_avg_sq[u]);
             self.be.adamw(&mut self.params.shards[u], m, v, &self.grads.shards[u], range, &step);
         }
-    }
-
-    /// With tied embeddings on a pipeline, the first stage (the lookup) and the last (the
-    /// output projection) each hold `embed_tokens`: sums their gradients over the two ends of
-    /// `pp` (Megatron's embedding group), so both copies take the same update. `a + b` on one
-    /// end and `b + a` on the other are the same bits. Nothing to do elsewhere.
-    pub fn sum_tied_embedding(&mut self, pp: &Group) {
-        let m = self.params.dims();
-        if !m.tie || m.embed == m.head {
-            return;
-        }
-        let partner = if m.embed { pp.size() - 1 } else { 0 };
-        let plan = &self.params.plan;
-        let (u, _, range) =
-            plan.slot_ranges().find(|(_, t, _)| t.name == "model.embed_tokens.weight").expect("both ends hold the embedding");
-        with_host_mut(&self.be, vec![&mut self.grads.shards[u]], |mut shard| {
-            let mine = &mut shard[0][range];
-            // A tag of its own, apart from the pipeline's activations (small tags).
-            const TIED: usize = 1 << 14;
-            let sent = pp.start_send_f32(partner, TIED, mine.to_vec());
-            let got = pp.start_recv_f32(partner, TIED, vec![0.0; mine.len()]);
-            let (_, theirs) = pp.wait(got);
-            pp.wait(sent);
-            mine.iter_mut().zip(&theirs).for_each(|(a, b)| *a += b);
-        });
     }
 
     /// The first gradient element on this rank that is NaN or infinite: its slot, its index in

@@ -206,6 +206,21 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
         }
     }
 
+    /// The model piece whose gradients these are.
+    pub fn dims(&self) -> &Dims {
+        &self.m
+    }
+
+    /// The backend the shards live on.
+    pub fn backend(&self) -> &B {
+        &self.be
+    }
+
+    /// The unit of the shard holding this rank's part of tensor `name`, and where it lies there.
+    pub fn tensor_range(&self, name: &str) -> Option<(usize, std::ops::Range<usize>)> {
+        self.plan.slot_ranges().find(|(_, t, _)| t.name == name).map(|(u, _, range)| (u, range))
+    }
+
     pub fn scale(&mut self, coef: f64) {
         if coef != 1.0 {
             let c = coef as f32;

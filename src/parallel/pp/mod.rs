@@ -13,10 +13,14 @@
 //! weights and gradients of all of a rank's chunks live in one FSDP state, each chunk seeing
 //! its blocks through [`Offset`].
 
+pub mod executor;
 pub mod schedule;
 
 use super::comm::{Group, Ticket};
-use crate::backend::Backend;
+use super::fsdp::grads::FsdpGrads;
+use super::mesh::Mesh;
+use crate::backend::{with_host_mut, Backend};
+use crate::config::Resolved;
 use crate::model::hooks::{Globals, GlobalsMut, GradSink, WeightSource};
 use crate::model::params::{Dims, Layer};
 use std::collections::VecDeque;
@@ -49,6 +53,14 @@ pub fn chunks(stage_layers: &[usize], pp: usize, rank: usize) -> Vec<Chunk> {
             c
         })
         .collect()
+}
+
+/// This rank's piece of the model's tensors (its tp piece of its pipeline stage's blocks, and
+/// the tensors outside the blocks where its stages run them), and its pipeline chunks.
+pub fn rank_pieces(res: &Resolved, mesh: &Mesh) -> (Dims, Vec<Chunk>) {
+    let whole = Dims::new(&res.deck.model, mesh.tp.size(), mesh.tp.rank());
+    let chunks = chunks(&res.stage_layers, mesh.pp.size(), mesh.pp.rank());
+    (rank_dims(&whole, &chunks), chunks)
 }
 
 /// The dims of the state a pipeline rank holds (every chunk's blocks), from the whole model's
@@ -118,8 +130,12 @@ impl<'g> PipeComm<'g> {
         PipeComm { group, v, sends: VecDeque::new(), recvs: vec![], spare: vec![] }
     }
 
+    /// The tag of the messages to chunk `chunk` travelling in direction `dir`: below
+    /// [`TIED_EMBEDDING_TAG`] for every chunk count a deck allows (a chunk holds a block).
     fn tag(chunk: usize, dir: Direction) -> usize {
-        2 * chunk + (dir == Direction::Backward) as usize
+        let tag = 2 * chunk + (dir == Direction::Backward) as usize;
+        debug_assert!(tag < TIED_EMBEDDING_TAG);
+        tag
     }
 
     /// The rank and chunk of the neighbour that chunk `chunk` of this rank exchanges with.
@@ -198,6 +214,32 @@ impl<'g> PipeComm<'g> {
         }
         assert!(self.recvs.is_empty(), "every posted receive is used within its step");
     }
+}
+
+/// The tag of the tied embedding's gradient exchange between the pipeline's two ends, apart
+/// from the activations' tags (two per chunk).
+const TIED_EMBEDDING_TAG: usize = 1 << 14;
+
+/// With tied embeddings on a pipeline, the first stage (the lookup) and the last (the output
+/// projection) each hold `embed_tokens`: sums their gradients over the two ends of `pp`
+/// (Megatron's embedding group), so both copies take the same update. `a + b` on one end and
+/// `b + a` on the other are the same bits. Nothing to do elsewhere.
+pub fn sum_tied_embedding<B: Backend<f32> + Clone>(grads: &mut FsdpGrads<'_, B>, pp: &Group) {
+    let m = grads.dims();
+    if !m.tie || m.embed == m.head {
+        return;
+    }
+    let partner = if m.embed { pp.size() - 1 } else { 0 };
+    let (u, range) = grads.tensor_range("model.embed_tokens.weight").expect("both ends hold the embedding");
+    let be = grads.backend().clone();
+    with_host_mut(&be, vec![&mut grads.shards[u]], |mut shard| {
+        let mine = &mut shard[0][range];
+        let sent = pp.start_send_f32(partner, TIED_EMBEDDING_TAG, mine.to_vec());
+        let got = pp.start_recv_f32(partner, TIED_EMBEDDING_TAG, vec![0.0; mine.len()]);
+        let (_, theirs) = pp.wait(got);
+        pp.wait(sent);
+        mine.iter_mut().zip(&theirs).for_each(|(a, b)| *a += b);
+    });
 }
 
 #[cfg(test)]

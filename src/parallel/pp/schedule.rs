@@ -98,6 +98,23 @@ pub fn actions(schedule: PpSchedule, pp: usize, v: usize, rank: usize, m: usize)
     out
 }
 
+/// The actions of an evaluation on a pipeline rank with `v` chunks: the forward of each of
+/// `m` micro-batches through every chunk in turn. A stage waits only for the chunk before it,
+/// which every rank runs in the same (micro-batch, chunk) order, so the pipeline cannot stall.
+pub fn forward_only(v: usize, m: usize) -> Vec<Action> {
+    (0..m).flat_map(|micro| (0..v).map(move |chunk| Action::Forward { chunk, micro })).collect()
+}
+
+/// For each of `m` micro-batches, the index in `actions` of the last action on it: after it,
+/// the micro-batch's tokens are no longer needed.
+pub fn last_use(actions: &[Action], m: usize) -> Vec<usize> {
+    let mut last = vec![0; m];
+    for (i, a) in actions.iter().enumerate() {
+        last[a.micro()] = i;
+    }
+    last
+}
+
 /// Every rank's zero-bubble order (one chunk per rank): the rule of the module's comment run
 /// in unit time steps on the unit costs; ties go to `B`, then the forward, then `W` — unless
 /// `pp` weight gradients wait already, which bounds their operands' memory.

@@ -1,0 +1,359 @@
+//! The pipeline executor: runs one rank's actions of a schedule on its model chunks — the
+//! forwards, the backwards (whole, or zero bubble's input gradient) and the deferred weight
+//! gradients — with the activations and their gradients exchanged between neighbouring stages.
+//!
+//! A training step runs the schedule of `[parallel] pp_schedule` ([`schedule::actions`]); an
+//! evaluation runs the forward-only schedule ([`schedule::forward_only`]) through the same
+//! loop, without gradients. Without a pipeline (one stage, one chunk) the training schedule is
+//! the forward and backward of each micro-batch in turn, which is gradient accumulation.
+//!
+//! The executor keeps one `Model` per micro-batch a chunk holds at once, reused from step to
+//! step, so the schedule's in-flight count is the activation memory held; zero bubble's
+//! weight-gradient operands are kept the same way. Before an action computes, the receive of
+//! the next action's activation or gradient is posted, so the transfer overlaps the compute.
+
+use super::schedule::{self, Action};
+use super::{Chunk, Direction, Offset, PipeComm};
+use crate::backend::Backend;
+use crate::config::{ActCkpt, PpSchedule};
+use crate::model::hooks::Hooks;
+use crate::model::params::Dims;
+use crate::model::{Model, Tokens, WeightGradWork};
+use crate::parallel::comm::Group;
+use crate::parallel::cp::LocalBatch;
+use crate::parallel::fsdp::grads::FsdpGrads;
+use crate::parallel::fsdp::params::FsdpParams;
+use std::time::Instant;
+
+/// An error that ends the run on this rank.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a schedule runs: a training step's forwards and backwards, accumulating gradients
+/// scaled by `loss_scale` (1 / the global number of target tokens) into `grads`, or the
+/// forwards of an evaluation.
+pub enum Pass<'a, 'g, B: Backend<f32>> {
+    Train { grads: &'a mut FsdpGrads<'g, B>, loss_scale: f32 },
+    Evaluate,
+}
+
+/// Seconds a schedule spent, by what it did: loading micro-batches and posting receives,
+/// waiting for a neighbour's activation or gradient (the pipeline's bubble), and computing
+/// forwards and backwards (weight gradients count as backward).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ScheduleTimes {
+    pub data_s: f64,
+    pub wait_s: f64,
+    pub forward_s: f64,
+    pub backward_s: f64,
+}
+
+/// A pipeline chunk and a micro-batch: what a model or kept work belongs to.
+type ChunkMicro = (usize, usize);
+
+/// One rank's model chunks, the activations of the micro-batches in flight, and its actions.
+pub struct Executor<'g, B: Backend<f32>> {
+    be: B,
+    chunks: Vec<Chunk>,
+    /// Each chunk's piece of the model.
+    dims: Vec<Dims>,
+    ckpt: ActCkpt,
+    /// Models of each chunk not holding a micro-batch.
+    free: Vec<Vec<Model<f32, B>>>,
+    /// Models holding a micro-batch's activations, with their (chunk, micro-batch).
+    busy: Vec<(ChunkMicro, Model<f32, B>)>,
+    /// Zero bubble: the weight-gradient operands of backwards whose weight gradient is still
+    /// to come, with their (chunk, micro-batch), and spare ones.
+    deferred: Vec<(ChunkMicro, WeightGradWork<B::Buf>)>,
+    spare_work: Vec<WeightGradWork<B::Buf>>,
+    /// This rank's actions in a training step, of `micro_batches` micro-batches.
+    train: Vec<Action>,
+    micro_batches: usize,
+    /// The training schedule splits each backward (zero bubble): `Backward` is the input
+    /// gradient, `Weight` the rest.
+    split_backward: bool,
+    comm: PipeComm<'g>,
+    /// The received activation or gradient of the action being run.
+    received: B::Buf,
+    /// Elements of an activation between stages (this rank's rows of the residual stream).
+    message_len: usize,
+}
+
+impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
+    /// The executor of this rank's `chunks` (the stage pieces of the rank's model `dims`) under
+    /// `schedule` with `micro_batches` per step, exchanging `message_len` elements per
+    /// activation with its neighbours in the pipeline group `pp`.
+    pub fn new(
+        be: B,
+        (dims, chunks): (&Dims, Vec<Chunk>),
+        ckpt: ActCkpt,
+        (schedule, micro_batches): (PpSchedule, usize),
+        pp: &'g Group,
+        message_len: usize,
+    ) -> Self {
+        let (rank, v) = (pp.rank(), chunks.len());
+        let pp_size = pp.size();
+        // Without a pipeline, 1F1B on one stage is forward and backward of each micro-batch.
+        let schedule = if pp_size == 1 { PpSchedule::OneFOneB } else { schedule };
+        let train = schedule::actions(schedule, pp_size, v, rank, micro_batches);
+        Executor {
+            split_backward: train.iter().any(|a| matches!(a, Action::Weight { .. })),
+            train,
+            micro_batches,
+            dims: chunks.iter().map(|c| dims.stage(c.layer_ids.clone(), c.embed, c.head)).collect(),
+            free: (0..v).map(|_| vec![]).collect(),
+            busy: vec![],
+            deferred: vec![],
+            spare_work: vec![],
+            comm: PipeComm::new(pp, v),
+            received: Default::default(),
+            chunks,
+            ckpt,
+            be,
+            message_len,
+        }
+    }
+
+    /// The backend the chunks run on.
+    pub fn backend(&self) -> &B {
+        &self.be
+    }
+
+    /// Bytes of activation memory the chunks' models hold (every micro-batch in flight at the
+    /// schedule's peak), with zero bubble's kept weight-gradient operands.
+    pub fn activation_bytes(&self) -> usize {
+        let models = self.free.iter().flatten().chain(self.busy.iter().map(|(_, m)| m));
+        let works = self.spare_work.iter().chain(self.deferred.iter().map(|(_, w)| w));
+        models.map(|m| m.activation_bytes()).sum::<usize>() + works.map(|w| w.bytes(&self.be)).sum::<usize>()
+    }
+
+    /// Visible (query, key) pairs processed by attention since the last call.
+    pub fn take_attention_pairs(&mut self) -> u64 {
+        self.free.iter_mut().flatten().map(|m| m.take_attention_pairs()).sum()
+    }
+
+    /// Runs a training step's schedule (`micro_batches` is then the step's), or with
+    /// [`Pass::Evaluate`] the forward-only schedule of `micro_batches` micro-batches. `batch(m)` loads micro-batch `m` (called once, before
+    /// its first action); `observe` hears of each action before it runs (the watchdog's
+    /// heartbeat). Returns the summed loss of this rank's tokens (zero off the last stage) and
+    /// where the time went.
+    pub fn run(
+        &mut self,
+        mut pass: Pass<'_, 'g, B>,
+        params: &mut FsdpParams<'g, B>,
+        hooks: Hooks<'_, f32, B>,
+        micro_batches: usize,
+        batch: &mut dyn FnMut(usize) -> Result<LocalBatch, Error>,
+        observe: &mut dyn FnMut(&dyn std::fmt::Display),
+    ) -> Result<(f64, ScheduleTimes), Error> {
+        let actions = match pass {
+            Pass::Train { .. } => std::mem::take(&mut self.train),
+            Pass::Evaluate => schedule::forward_only(self.chunks.len(), micro_batches),
+        };
+        let last_use = schedule::last_use(&actions, micro_batches);
+        let (mut loss_sum, mut times) = (0.0, ScheduleTimes::default());
+        // The tokens of the micro-batches started and not yet past their last action.
+        let mut batches: Vec<(usize, LocalBatch)> = vec![];
+        let start = Instant::now();
+        let mut result = Ok(());
+        for (i, &action) in actions.iter().enumerate() {
+            observe(&Progress { action, of: micro_batches });
+            let t0 = Instant::now();
+            let micro = action.micro();
+            if !batches.iter().any(|(m, _)| *m == micro) {
+                match batch(micro) {
+                    Ok(b) => batches.push((micro, b)),
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(&next) = actions.get(i + 1) {
+                self.post_receive(next);
+            }
+            let t1 = Instant::now();
+            let received = self.receive(action);
+            let t2 = Instant::now();
+            let (_, tokens) = batches.iter().find(|(m, _)| *m == micro).expect("loaded above");
+            loss_sum += self.act(action, &mut pass, params, hooks, tokens, received);
+            if last_use[micro] == i {
+                batches.retain(|(m, _)| *m != micro);
+            }
+            if let Err(e) = self.be.synchronize() {
+                result = Err(format!("{}: {e}", self.be.describe()).into());
+                break;
+            }
+            let t3 = Instant::now();
+            log_action(action, (t1 - start, t2 - t1, t3 - t2));
+            times.data_s += (t1 - t0).as_secs_f64();
+            times.wait_s += (t2 - t1).as_secs_f64();
+            let compute = (t3 - t2).as_secs_f64();
+            match action {
+                Action::Forward { .. } => times.forward_s += compute,
+                Action::Backward { .. } | Action::Weight { .. } => times.backward_s += compute,
+            }
+        }
+        if matches!(pass, Pass::Train { .. }) {
+            self.train = actions;
+        }
+        result?;
+        let t = Instant::now();
+        self.comm.finish();
+        times.wait_s += t.elapsed().as_secs_f64();
+        debug_assert!(self.busy.is_empty(), "every micro-batch's backward ran");
+        debug_assert!(params.all_released(), "every gathered block is freed by its last use");
+        Ok((loss_sum, times))
+    }
+
+    /// Where an action's input comes from and its output goes: (from a neighbour, to one).
+    fn neighbours(&self, action: Action) -> (bool, bool) {
+        let c = &self.chunks[action.chunk()];
+        match action {
+            Action::Forward { .. } => (!c.embed, !c.head),
+            Action::Backward { .. } => (!c.head, !c.embed),
+            Action::Weight { .. } => (false, false),
+        }
+    }
+
+    /// Posts the receive `action` will need, if it needs one not yet posted.
+    fn post_receive(&mut self, action: Action) {
+        let dir = direction(action);
+        if self.neighbours(action).0 && !self.comm.posted(action.chunk(), dir) {
+            self.comm.post_recv(action.chunk(), dir, self.message_len);
+        }
+    }
+
+    /// Completes the receive of `action`'s input into [`Self::received`]; whether it had one.
+    fn receive(&mut self, action: Action) -> bool {
+        if !self.neighbours(action).0 {
+            return false;
+        }
+        self.post_receive(action);
+        self.comm.recv(&self.be, action.chunk(), direction(action), &mut self.received);
+        true
+    }
+
+    /// Runs one action on `tokens`; returns the loss it computed (a head's forward in a
+    /// stage's last chunk, else zero).
+    fn act(
+        &mut self,
+        action: Action,
+        pass: &mut Pass<'_, 'g, B>,
+        params: &mut FsdpParams<'g, B>,
+        hooks: Hooks<'_, f32, B>,
+        tokens: &LocalBatch,
+        received: bool,
+    ) -> f64 {
+        let (chunk, micro) = (action.chunk(), action.micro());
+        let offset = self.chunks[chunk].offset;
+        let sends = self.neighbours(action).1;
+        let s_local = tokens.positions.len();
+        let tok = Tokens {
+            inputs: &tokens.inputs,
+            targets: &tokens.targets,
+            positions: &tokens.positions,
+            batch: tokens.inputs.len() / s_local.max(1),
+            seq: s_local,
+        };
+        let input = std::mem::take(&mut self.received);
+        let input_ref = received.then_some(&input);
+        let mut loss = 0.0;
+        match (action, pass) {
+            (Action::Forward { .. }, Pass::Evaluate) => {
+                let mut model = self.take_model(chunk);
+                params.begin_evaluation();
+                loss = model.forward_stage(&mut Offset { inner: params, offset }, &tok, hooks, input_ref);
+                params.end_micro_step();
+                if sends {
+                    self.comm.send(&self.be, chunk, Direction::Forward, model.stage_output());
+                }
+                self.free[chunk].push(model);
+            }
+            (Action::Forward { .. }, Pass::Train { .. }) => {
+                let mut model = self.take_model(chunk);
+                params.begin_micro_step();
+                loss = model.forward_stage(&mut Offset { inner: params, offset }, &tok, hooks, input_ref);
+                if sends {
+                    self.comm.send(&self.be, chunk, Direction::Forward, model.stage_output());
+                }
+                self.busy.push(((chunk, micro), model));
+            }
+            (Action::Backward { .. }, Pass::Train { grads, loss_scale }) => {
+                let mut model = take_entry(&mut self.busy, (chunk, micro));
+                params.begin_backward();
+                // Each chunk's last backward completes its units' gradients for the step.
+                grads.begin_micro_step(micro + 1 == self.micro_batches);
+                let (mut w, mut g) = (Offset { inner: &mut *params, offset }, Offset { inner: &mut **grads, offset });
+                if self.split_backward {
+                    let mut work = self.spare_work.pop().unwrap_or_default();
+                    model.backward_input_stage(&mut w, &mut g, *loss_scale, hooks, input_ref, &mut work);
+                    self.deferred.push(((chunk, micro), work));
+                } else {
+                    model.backward_stage(&mut w, &mut g, *loss_scale, hooks, input_ref);
+                }
+                params.end_micro_step();
+                if sends {
+                    self.comm.send(&self.be, chunk, Direction::Backward, model.input_grad());
+                }
+                self.free[chunk].push(model);
+            }
+            (Action::Weight { .. }, Pass::Train { grads, .. }) => {
+                let work = take_entry(&mut self.deferred, (chunk, micro));
+                // The blocks' gradients of the micro-batch are complete only now.
+                grads.begin_micro_step(micro + 1 == self.micro_batches);
+                work.apply(&self.be, &mut Offset { inner: &mut **grads, offset });
+                self.spare_work.push(work);
+            }
+            (_, Pass::Evaluate) => unreachable!("an evaluation runs forwards only"),
+        }
+        self.received = input;
+        loss
+    }
+
+    fn take_model(&mut self, chunk: usize) -> Model<f32, B> {
+        self.free[chunk].pop().unwrap_or_else(|| Model::on(self.be.clone(), self.dims[chunk].clone(), self.ckpt))
+    }
+}
+
+/// The direction an action's input travels: forward for a forward's activation, backward for
+/// a backward's gradient.
+fn direction(action: Action) -> Direction {
+    match action {
+        Action::Forward { .. } => Direction::Forward,
+        Action::Backward { .. } | Action::Weight { .. } => Direction::Backward,
+    }
+}
+
+/// An action as people read it: "micro-batch 3 of 8: backward of chunk 0".
+struct Progress {
+    action: Action,
+    of: usize,
+}
+
+impl std::fmt::Display for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.action {
+            Action::Forward { .. } => "forward",
+            Action::Backward { .. } => "backward",
+            Action::Weight { .. } => "weight gradient",
+        };
+        write!(f, "micro-batch {} of {}: {what} of chunk {}", self.action.micro() + 1, self.of, self.action.chunk())
+    }
+}
+
+/// Removes and returns the entry of `key` from `list`.
+fn take_entry<X>(list: &mut Vec<(ChunkMicro, X)>, key: ChunkMicro) -> X {
+    let k = list.iter().position(|(k, _)| *k == key).expect("the schedule runs forward, backward and weight gradient in order");
+    list.swap_remove(k).1
+}
+
+/// RUST_LOG=debug: each action's timeline (start into the step, wait, compute), to see the
+/// schedule run.
+fn log_action(action: Action, (at, waited, computed): (std::time::Duration, std::time::Duration, std::time::Duration)) {
+    log::debug!(
+        "{action:?}: starts {:.4} s into the schedule, waited {:.4} s, computed {:.4} s",
+        at.as_secs_f64(),
+        waited.as_secs_f64(),
+        computed.as_secs_f64()
+    );
+}
