@@ -1,5 +1,10 @@
-//! Bad decks and bad data through the real binary: every rank exits non-zero with a one-line
-//! `error:` message, no panic, no backtrace, no hang — alone and under `mpirun`.
+//! The real binary on bad input, alone and under `mpirun`: every rank exits non-zero, one `error:` line, no panic, no hang.
+//!
+//! What this holds and `tests/deck_errors.rs` (the wording of the library's deck messages) does
+//! not: the process's side of a failure — the exit code, one line without panic or backtrace,
+//! said once by rank 0 or by the one failing rank naming itself, no rank left waiting — and bad
+//! input beyond the deck: token files, HDF5 datasets, paths the deck names, a CPU without the
+//! build's features. Its deck cases check only one substring of each message.
 //!
 //! `every_bad_input_fails_cleanly_on_every_rank` runs one table of malformed or inconsistent
 //! inputs under `mpirun -n 2`: llm.c `.bin` and HDF5 token files the test writes (bad headers,

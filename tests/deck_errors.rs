@@ -1,6 +1,10 @@
-//! The messages a user sees for a bad deck: one table of decks, each with the substrings its
-//! error must contain, plus the decks that must resolve (defaults, aliases, overrides, derived
-//! batch and learning rate). Library level: no MPI, no files other than `docs/input_deck.md`.
+//! The library's deck errors, no binary and no MPI: the wording of each message and hint, and the decks that must resolve.
+//!
+//! One table of bad decks, each with the substrings its message (`m:`) or hint (`h:`) must
+//! contain, plus the decks that must resolve (defaults, aliases, overrides, derived batch and
+//! learning rate, the example of `docs/input_deck.md`). No files other than that page and
+//! temporary decks. What the binary does with bad input (exit code, one `error:` line, every
+//! rank) is `tests/bad_input_cli.rs`; that no deck makes the parser panic, `tests/fuzz/decks.rs`.
 
 use ndtrain::config::{ConfigError, Deck, Resolved};
 

@@ -1,6 +1,10 @@
-//! ndtrain against Hugging Face `LlamaForCausalLM`: the committed reference state in
-//! `tests/reference/data/` (made by `tests/reference/generate.py`; versions, date and every
-//! hyper-parameter in `meta.json`, see `tests/reference/README.md`).
+//! The library against Hugging Face `LlamaForCausalLM` on one rank, f32 and f64: logits, loss, each gradient and parameter.
+//!
+//! The reference is the committed state in `tests/reference/data/` (made by
+//! `tests/reference/generate.py`; versions, date and every hyper-parameter in `meta.json`, see
+//! `tests/reference/README.md`). The binary's training loop against PyTorch is
+//! `tests/reference_train.rs`; reruns of the shipped decks against their recorded logs are
+//! `tests/reference_logs.rs`.
 //!
 //! For each case (`untied`, `tied`) the model is imported with `ndtrain::io::hf::load_params` from
 //! the folder `save_pretrained` wrote, then checked on one batch (logits, mean loss, the

@@ -1,7 +1,10 @@
-//! The reference logs beside the decks (`inputs/reference/<deck>.<ranks>.csv`, written by
+//! ndtrain against its own recorded losses, not PyTorch: the tiny and bench_small decks rerun on 1 and 4 ranks.
+//!
+//! The logs beside the decks (`inputs/reference/<deck>.<ranks>.csv`, written by
 //! `inputs/reference/make.sh`): this build, rerun on the same deck and rank count, reproduces
 //! the recorded losses — the whole run of the tiny deck, the first steps of `bench_small` (the
-//! run stopped by `[run] stop_after_steps`, so its schedule is the whole run's).
+//! run stopped by `[run] stop_after_steps`, so its schedule is the whole run's). Agreement with
+//! Hugging Face and PyTorch is `tests/reference.rs` and `tests/reference_train.rs`.
 
 mod common;
 use common::*;

@@ -1,8 +1,9 @@
-//! The real binary's training loop against PyTorch + transformers: a few AdamW steps from the
-//! same Hugging Face model over the same llm.c token file, with gradient accumulation, on one
-//! rank and on FSDP=2 × TP=2, against the losses `tests/reference/generate_loop.py` computed
-//! once and committed in `tests/reference/data/loop/losses.json` (see
-//! `tests/reference/README.md`). PyTorch is not needed to run this test.
+//! The real binary's training loop against PyTorch, on 1 rank and on FSDP=2 × TP=2: each step's loss, gradient norm and LR.
+//!
+//! A few AdamW steps from the same Hugging Face model over the same llm.c token file, with
+//! gradient accumulation, against the losses `tests/reference/generate_loop.py` computed once
+//! and committed in `tests/reference/data/loop/losses.json` (see `tests/reference/README.md`).
+//! PyTorch is not needed to run this test.
 //!
 //! This covers what `tests/reference.rs` (the library on one micro-batch per step) does not:
 //! the deck's `init_from` and `[data] source = "bin"` paths, the sample order, the global-batch
@@ -28,7 +29,7 @@ use std::path::{Path, PathBuf};
 /// 6.1e-4, eps 1e-8 → 1e-6 by 1.4e-3, a warm-up one step longer by 7.3e-2. (Clipping at 0.55
 /// instead of 0.5 moves it by only 3.3e-6: Adam's update hardly depends on a common gradient
 /// scale, so the grad_norm column below is what pins the norm, and the clip coefficient
-/// itself is checked in `tests/kernels.rs`.)
+/// itself is checked in `tests/kernels/optim.rs`.)
 const LOOP_LOSS_TOL: f64 = 5e-6;
 /// Each step's pre-clip global gradient norm, relative to PyTorch's f32 run: measured ≤ 9.4e-7
 /// (PyTorch f32 vs f64: 6.5e-7). 1e-5 is a 10× margin; a norm summed over the wrong shards or

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the binary seeds of the fuzz corpus (tests/fuzz.rs, `corpus_*` tests).
+"""Writes the binary seeds of the fuzz corpus (tests/fuzz/corpus.rs, `corpus_*` tests).
 
 The deck seeds under deck/ are hand-written TOML. The token-file seeds are made here, so the
 bytes are reproducible and reviewable: `python3 tests/fuzz_corpus/make_corpus.py` (run with
