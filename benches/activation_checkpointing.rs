@@ -14,7 +14,7 @@
 //!
 //! Legend: `B` micro-batch, `S` sequence, `N = B·S`, `D` width, `F` ffn hidden, `V` vocab.
 
-use ndtrain::backend::cpu::gemm::set_gemm_threads;
+use ndtrain::backend::cpu::set_gemm_threads;
 use ndtrain::config::{ActCkpt, Deck};
 use ndtrain::data::{open_source, Batch, Loader};
 use ndtrain::metrics::median;
@@ -24,6 +24,11 @@ use ndtrain::model::{Model, Tokens};
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 use std::time::Instant;
+
+/// The allocator the `ndtrain` binary runs with (`src/main.rs`), so the bench measures what
+/// training does: the GEMM's packing buffers kept for reuse (`backend::cpu::heap`).
+#[global_allocator]
+static HEAP: ndtrain::backend::cpu::heap::SpareBlockAlloc = ndtrain::backend::cpu::heap::SpareBlockAlloc::new();
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 

@@ -10,9 +10,15 @@
 //!
 //! `cargo bench --bench gemm_pairs -- [--reps 15]`
 
-use ndtrain::backend::cpu::gemm::{linear_bwd, linear_bwd_input, linear_bwd_weight, linear_fwd, linear_fwd_pair, set_gemm_threads};
+use ndtrain::backend::cpu::gemm::{linear_bwd, linear_bwd_input, linear_bwd_weight, linear_fwd, linear_fwd_pair};
+use ndtrain::backend::cpu::set_gemm_threads;
 use ndtrain::metrics::median;
 use std::time::Instant;
+
+/// The allocator the `ndtrain` binary runs with (`src/main.rs`), so the bench measures what
+/// training does: the GEMM's packing buffers kept for reuse (`backend::cpu::heap`).
+#[global_allocator]
+static HEAP: ndtrain::backend::cpu::heap::SpareBlockAlloc = ndtrain::backend::cpu::heap::SpareBlockAlloc::new();
 
 /// Tokens of a `bench_small` micro-batch (4 × 512).
 const M: usize = 2048;

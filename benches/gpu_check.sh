@@ -3,7 +3,7 @@
 # minutes on one). It runs, in order:
 #   1. `ndtrain gpu-check`: every operation of the backend boundary on the GPU against the host
 #      backend, a whole forward + backward of a small model in fp32 and bf16, NCCL (tolerances
-#      named in src/backend/cuda/check.rs);
+#      named in src/tools/gpu_check/ops.rs);
 #   2. the tiny deck for 30 steps on the host and on the GPU, fp32 and bf16: the losses within
 #      FP32_LOSS_TOL / BF16_LOSS_TOL of the host's (max |Δloss| over the steps);
 #   3. 2 and 4 ranks sharing the GPU, collectives staged through host memory (FSDP 2, TP 2 with

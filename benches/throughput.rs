@@ -11,8 +11,9 @@
 //!
 //! Legend: `B` micro-batch, `S` sequence, `N = B·S`, `D` width, `F` ffn hidden.
 
-use ndtrain::backend::cpu::gemm::{linear_fwd, set_gemm_threads};
+use ndtrain::backend::cpu::gemm::linear_fwd;
 use ndtrain::backend::cpu::probe::{fma_peak_of, gemm_flops, FmaKernel};
+use ndtrain::backend::cpu::set_gemm_threads;
 use ndtrain::backend::cpu::Cpu;
 use ndtrain::config::Deck;
 use ndtrain::metrics::{flops_per_token, matmul_params, median, Phase};
@@ -23,6 +24,11 @@ use ndtrain::train::step::{StepOutcome, Trainer};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
+
+/// The allocator the `ndtrain` binary runs with (`src/main.rs`), so the bench measures what
+/// training does: the GEMM's packing buffers kept for reuse (`backend::cpu::heap`).
+#[global_allocator]
+static HEAP: ndtrain::backend::cpu::heap::SpareBlockAlloc = ndtrain::backend::cpu::heap::SpareBlockAlloc::new();
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 

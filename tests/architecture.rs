@@ -9,7 +9,12 @@
 //!   outside the unit tests at the end of a file. The graph has no cycle, and its transitive
 //!   reduction is the mermaid picture in `docs/architecture.md` (when they differ the test
 //!   prints the picture the code draws).
-//! * Every file under `src/` is named in `docs/architecture.md`.
+//! * The layers: `docs/architecture.md`'s layer table puts every node in a layer; every edge
+//!   goes to a layer at or below its own. The backend names no layer above it, even in its unit
+//!   tests, and the training loop names no pipeline action. A test of the check plants a
+//!   violation and sees it caught.
+//! * Every file under `src/` is named in `docs/architecture.md`, and every module the step's
+//!   walk-through names exists (with the item it names after it).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -207,6 +212,21 @@ fn paths(code: &str) -> Vec<Vec<String>> {
     out
 }
 
+/// `code` without the paths of restricted visibility (`pub(in crate::parallel)`), which name
+/// where an item may be seen, not a module it uses.
+fn without_visibility_paths(code: &str) -> String {
+    let mut out = String::with_capacity(code.len());
+    let mut rest = code;
+    while let Some(i) = rest.find("pub(in ") {
+        out.push_str(&rest[..i + 3]);
+        rest = &rest[i..];
+        let end = rest.find(')').unwrap_or(rest.len());
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The module graph of `src/` (node → nodes it uses).
 fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
     let files = source_files();
@@ -219,7 +239,7 @@ fn module_graph() -> BTreeMap<String, BTreeSet<String>> {
         }
         let from = node(here, &public);
         graph.entry(from.clone()).or_default();
-        let code = code_lines(&std::fs::read_to_string(file).unwrap()).join("\n");
+        let code = without_visibility_paths(&code_lines(&std::fs::read_to_string(file).unwrap()).join("\n"));
         for words in paths(&code) {
             let words: Vec<&str> = words.iter().map(String::as_str).collect();
             // `crate::…`, `super::…`, `self::…`, or a path starting at a submodule of this one.
@@ -334,4 +354,184 @@ fn the_architecture_doc_draws_the_module_graph_and_names_every_file() {
         .filter(|f| !doc.contains(f.as_str()))
         .collect();
     assert!(missing.is_empty(), "docs/architecture.md does not name: {missing:?}");
+}
+
+/// The layer table of `docs/architecture.md` ("## The layers"): each layer's name and the
+/// modules it lists (backticked in its second column), bottom layer first.
+fn layers() -> Vec<(String, Vec<String>)> {
+    let doc = std::fs::read_to_string(repo().join("docs/architecture.md")).unwrap();
+    let section = doc.split("## The layers").nth(1).expect("docs/architecture.md has a section \"## The layers\"");
+    let mut out = vec![];
+    for line in section.lines().skip_while(|l| !l.starts_with("| layer")).skip(2) {
+        if !line.starts_with('|') {
+            break;
+        }
+        let cols: Vec<&str> = line.split('|').map(str::trim).collect();
+        let modules = cols[2].split(',').map(|m| m.trim().trim_matches('`').to_string()).filter(|m| !m.is_empty()).collect();
+        out.push((cols[1].to_string(), modules));
+    }
+    assert!(out.len() >= 5, "the layer table of docs/architecture.md is not where the test reads it: {out:?}");
+    out
+}
+
+/// The layer of a graph node: that of the longest module in the table that is the node or a
+/// module above it (`run::launch` over `run`).
+fn layer_of(node: &str, layers: &[(String, Vec<String>)]) -> Option<usize> {
+    let segs: Vec<&str> = node.split("::").collect();
+    let mut best: Option<(usize, usize)> = None;
+    for (i, (_, modules)) in layers.iter().enumerate() {
+        for m in modules {
+            let ms: Vec<&str> = m.split("::").collect();
+            if ms.len() <= segs.len() && segs[..ms.len()] == ms[..] && best.is_none_or(|(len, _)| ms.len() > len) {
+                best = Some((ms.len(), i));
+            }
+        }
+    }
+    best.map(|(_, i)| i)
+}
+
+/// Every edge of `graph` that goes to a layer above its own, and every node without a layer.
+fn layer_violations(graph: &BTreeMap<String, BTreeSet<String>>, layers: &[(String, Vec<String>)]) -> Vec<String> {
+    let mut out = vec![];
+    for (from, tos) in graph {
+        let Some(lf) = layer_of(from, layers) else {
+            out.push(format!("{from} is in no layer of the table"));
+            continue;
+        };
+        for to in tos {
+            match layer_of(to, layers) {
+                None => out.push(format!("{to} is in no layer of the table")),
+                Some(lt) if lt > lf => out.push(format!("{from} ({}) uses {to} ({}), a layer above it", layers[lf].0, layers[lt].0)),
+                Some(_) => {}
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_import_goes_to_a_layer_at_or_below_its_own() {
+    let violations = layer_violations(&module_graph(), &layers());
+    assert!(violations.is_empty(), "imports against the layer order of docs/architecture.md:\n{}", violations.join("\n"));
+}
+
+/// The check itself: the real graph with one planted edge from the backend up to the training
+/// loop, and one from a module the table does not place.
+#[test]
+fn the_layer_check_catches_a_planted_violation() {
+    let layers = layers();
+    let mut graph = module_graph();
+    assert!(layer_violations(&graph, &layers).is_empty());
+    graph.entry("backend::cpu".into()).or_default().insert("train".into());
+    graph.entry("nowhere".into()).or_default().insert("config".into());
+    let found = layer_violations(&graph, &layers);
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found[0].contains("backend::cpu (hardware) uses train (training), a layer above it"), "{found:?}");
+    assert!(found[1].contains("nowhere is in no layer"), "{found:?}");
+}
+
+/// Every module a file names, unit tests included.
+fn named_modules(file: &Path, here: &[String], modules: &BTreeSet<Vec<String>>) -> Vec<Vec<String>> {
+    let text = std::fs::read_to_string(file).unwrap();
+    let code: String = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut out = vec![];
+    for words in paths(&without_visibility_paths(&code)) {
+        let absolute: Vec<String> = match words[0].as_str() {
+            "crate" | "ndtrain" => words[1..].to_vec(),
+            "super" => {
+                let mut b = here[..here.len().saturating_sub(1)].to_vec();
+                let mut rest = &words[1..];
+                while rest.first().map(String::as_str) == Some("super") {
+                    b.pop();
+                    rest = &rest[1..];
+                }
+                b.extend(rest.iter().cloned());
+                b
+            }
+            _ => continue,
+        };
+        if let Some(m) = module_of(&absolute, modules) {
+            out.push(m);
+        }
+    }
+    out
+}
+
+#[test]
+fn the_backend_names_no_layer_above_it() {
+    let files = source_files();
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|(_, p)| p.clone()).collect();
+    let mut offences = vec![];
+    for (file, here) in files.iter().filter(|(_, p)| p.first().map(String::as_str) == Some("backend")) {
+        for m in named_modules(file, here, &modules) {
+            if ["parallel", "model", "train", "run", "tools"].contains(&m[0].as_str()) {
+                offences.push(format!("{}: names {}", file.strip_prefix(repo()).unwrap().display(), m.join("::")));
+            }
+        }
+    }
+    assert!(offences.is_empty(), "the backend uses layers above it:\n{}", offences.join("\n"));
+}
+
+#[test]
+fn the_training_loop_names_no_pipeline_action() {
+    let files = source_files();
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|(_, p)| p.clone()).collect();
+    let mut offences = vec![];
+    for (file, here) in files.iter().filter(|(_, p)| p.first().map(String::as_str) == Some("train")) {
+        let rel = file.strip_prefix(repo()).unwrap().display().to_string();
+        let text = std::fs::read_to_string(file).unwrap();
+        for (i, l) in text.lines().enumerate().filter(|(_, l)| !l.trim_start().starts_with("//")) {
+            let code = l.split("//").next().unwrap_or("");
+            let word =
+                |w: &str| code.match_indices(w).any(|(at, _)| !code[at + w.len()..].starts_with(|c: char| c.is_alphanumeric() || c == '_'));
+            if ["Action", "Forward {", "Backward {", "Weight {"].iter().any(|w| word(w)) {
+                offences.push(format!("{rel}:{}: {}", i + 1, l.trim()));
+            }
+        }
+        for m in named_modules(file, here, &modules) {
+            if m.starts_with(&["parallel".to_string(), "pp".to_string(), "schedule".to_string()]) {
+                offences.push(format!("{rel}: names {}", m.join("::")));
+            }
+        }
+    }
+    assert!(offences.is_empty(), "the training loop names pipeline actions (the executor owns them):\n{}", offences.join("\n"));
+}
+
+#[test]
+fn every_module_the_walk_through_names_exists() {
+    let doc = std::fs::read_to_string(repo().join("docs/architecture.md")).unwrap();
+    let walk = doc.split("## One optimiser step through the modules").nth(1).unwrap().split("\n## ").next().unwrap();
+    let files = source_files();
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|(_, p)| p.clone()).collect();
+    let tops: BTreeSet<&str> = modules.iter().filter_map(|m| m.first().map(String::as_str)).collect();
+    let mut named = 0;
+    let mut missing = vec![];
+    for words in paths(walk) {
+        if !tops.contains(words[0].as_str()) {
+            continue;
+        }
+        named += 1;
+        let module = module_of(&words, &modules).filter(|m| m.len() + 1 >= words.len());
+        let Some(module) = module else {
+            missing.push(words.join("::"));
+            continue;
+        };
+        // The item after the module (a function, a type) is defined in the module's files.
+        if let Some(item) = words.get(module.len()) {
+            let defines = files.iter().filter(|(_, p)| p.starts_with(&module)).any(|(f, _)| {
+                let text = std::fs::read_to_string(f).unwrap();
+                ["fn ", "struct ", "enum ", "trait ", "type ", "const ", "mod "].iter().any(|k| text.contains(&format!("{k}{item}")))
+            });
+            if !defines {
+                missing.push(words.join("::"));
+            }
+        }
+    }
+    assert!(named >= 20, "the walk-through of docs/architecture.md names only {named} modules: is the section there?");
+    assert!(missing.is_empty(), "the walk-through of docs/architecture.md names what src/ does not hold: {missing:?}");
 }

@@ -10,9 +10,11 @@
 //! gpu-check` runs every operation on both backends with the same inputs and compares.
 //!
 //! Buffers are whole tensors; the operations on parts of a buffer (`*_range`, the optimiser's
-//! update of one tensor inside a shard) take element ranges. Operations panic on a backend
-//! failure (a GPU fault), which aborts the MPI job with the message; what can be checked before
-//! the first step is checked there. Knows nothing of what the tensors mean or of communication.
+//! update of one tensor inside a shard) take element ranges. A device keeps the first failure of
+//! an operation (a GPU fault) and reports it from [`Backend::synchronize`], where an asynchronous
+//! failure surfaces too; the caller ends the run with it. What can be checked before the first
+//! step is checked there. Knows nothing of what the tensors mean, of the model, or of other
+//! ranks: the layers above (`model`, `parallel`, `train`) use it, never the reverse.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]

@@ -8,8 +8,8 @@
 //! panics on any deck: products use checked arithmetic. Knows nothing of MPI or of files: a
 //! data path is only checked to be given, the data module checks that it exists.
 //!
-//! A little over 600 lines: one check per table, each naming its keys, and their tests; the
-//! rules read best side by side.
+//! One check per table, each naming its keys, then the layout's and the batch's rules that span
+//! tables, and their tests.
 
 use super::{ConfigError, Deck, LrScaling, Source};
 

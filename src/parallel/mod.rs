@@ -3,12 +3,17 @@
 //!
 //! * `comm` — MPI: start-up, groups, collectives and their counters (the only module that names
 //!   the `mpi` crate);
-//! * `mesh` — the 4-D mesh and its groups (`tp`, `cp`, `fsdp`, `dp_rep`, `batch`);
-//! * `collective` — a group's collectives on a backend's buffers, as the strategies call them;
+//! * `mesh` — the 5-D mesh `pp × dp_replicate × dp_shard × cp × tp` and its groups (`tp`,
+//!   `cp`, `fsdp`, `dp_rep`, `batch`, `pp`);
+//! * `collective` — a group's collectives on a backend's buffers, as the strategies call them:
+//!   MPI on host memory, staged through host copies, and (feature `cuda`) NCCL or a CUDA-aware
+//!   MPI on the GPU's buffers, over the device side the backend offers (`backend::cuda::comm`);
 //! * `fsdp` — data parallelism in its three forms (DP, FSDP, HSDP): the shard plan, the sharded
 //!   parameters and gradients, their memory and byte formulas;
 //! * `tp` — Megatron tensor parallelism with sequence parallelism, and its byte formula;
-//! * `cp` — context parallelism: the zigzag split and ring attention, and its byte formula.
+//! * `cp` — context parallelism: the zigzag split and ring attention, and its byte formula;
+//! * `pp` — pipeline parallelism: each rank's chunks of blocks, the schedules, and the executor
+//!   that runs a schedule's actions with the activations and gradients sent between stages.
 //!
 //! `docs/parallelism.md` gives the maths. Every strategy is written over the backend's buffer
 //! type, and a group of degree 1 is a no-op inside the collectives, never a special case here.

@@ -7,6 +7,7 @@
 
 pub mod faults;
 pub mod job_limit;
+pub mod launch;
 pub mod placement;
 pub mod preempt;
 pub mod preflight;

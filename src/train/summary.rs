@@ -50,7 +50,7 @@ pub(super) fn say_model(res: &Resolved, backend: String, peak: &Peak, flops_per_
     let n_params = crate::model::params::param_specs(m).iter().map(|s| s.numel()).sum::<usize>();
     let fma = match res.deck.run.device {
         crate::config::Device::Cpu => {
-            let p = crate::backend::cpu::probe::fma_peak(crate::backend::cpu::gemm::gemm_threads());
+            let p = crate::backend::cpu::probe::fma_peak(crate::backend::cpu::gemm_threads());
             format!("; FMA peak {:.1} GFLOP/s per rank ({} on {} thread(s))", p.flops / 1e9, p.kernel.name(), p.threads)
         }
         crate::config::Device::Cuda => String::new(),

@@ -5,6 +5,7 @@
 //! output, or two independent GEMMs of a layer side by side. Every output element is summed in
 //! the same order whatever the thread count. Knows nothing about what the matrices mean.
 
+use super::gemm_threads;
 use crate::scalar::Real;
 
 /// A read-only strided matrix view: element `(i, j)` is `data[i * rs + j * cs]`.
@@ -55,18 +56,6 @@ impl<'a, T> MatMut<'a, T> {
     pub fn rm_ld(data: &'a mut [T], rows: usize, cols: usize, ld: usize) -> Self {
         MatMut { data, rows, cols, rs: ld, cs: 1 }
     }
-}
-
-/// How many threads a GEMM may use; set once per rank at start (`[run] threads`).
-static GEMM_THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
-
-/// Sets the number of threads each GEMM uses on this rank.
-pub fn set_gemm_threads(n: usize) {
-    GEMM_THREADS.store(n.max(1), std::sync::atomic::Ordering::Relaxed);
-}
-
-pub fn gemm_threads() -> usize {
-    GEMM_THREADS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// `c = a · b` (`accumulate = false`) or `c += a · b` (`accumulate = true`).

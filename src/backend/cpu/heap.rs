@@ -9,7 +9,7 @@
 //! first touch — 40 000 page faults per bench_small step, and on two threads every unmap also
 //! interrupts the other core to flush its TLB (`benches/results/host_heap.md`).
 //!
-//! `SpareBlockAlloc`, the process's allocator, keeps the largest blocks the GEMM's calls
+//! [`SpareBlockAlloc`], the process's allocator (the binary declares it in `main.rs`), keeps the largest blocks the GEMM's calls
 //! freed ([`with_spare_blocks`]) — one per GEMM thread of the rank — and hands one back for the
 //! next large request inside a GEMM call that it can hold, so the next product reuses the pages
 //! of the last one. The rank thus retains at most its largest packing buffer per GEMM thread —
@@ -115,16 +115,26 @@ impl Spares {
 }
 
 /// The system allocator, with [`Spares`] for the large blocks allocated and freed inside
-/// [`with_spare_blocks`]: as many as the rank has GEMM threads.
-struct SpareBlockAlloc {
+/// [`with_spare_blocks`]: as many as the rank has GEMM threads. The binary installs it as the
+/// process's allocator (`main.rs`); a program that links the library without it keeps the
+/// system's, and its GEMMs map their packing buffers afresh.
+pub struct SpareBlockAlloc {
     spares: Mutex<Spares>,
 }
 
 impl SpareBlockAlloc {
-    const fn new() -> Self {
+    pub const fn new() -> Self {
         SpareBlockAlloc { spares: Mutex::new(Spares::new()) }
     }
+}
 
+impl Default for SpareBlockAlloc {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SpareBlockAlloc {
     fn lock(&self) -> std::sync::MutexGuard<'_, Spares> {
         // Every change to the set is complete before the next one starts: a panic elsewhere
         // cannot leave it inconsistent.
@@ -150,7 +160,7 @@ unsafe impl GlobalAlloc for SpareBlockAlloc {
         if layout.size() < LARGE || !caching() {
             return System.dealloc(ptr, layout);
         }
-        let spare = self.lock().put(ptr, super::gemm::gemm_threads());
+        let spare = self.lock().put(ptr, super::gemm_threads());
         if let Some(p) = spare {
             free(p);
         }
@@ -165,12 +175,14 @@ unsafe impl GlobalAlloc for SpareBlockAlloc {
     }
 }
 
-#[global_allocator]
-static HEAP: SpareBlockAlloc = SpareBlockAlloc::new();
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The unit tests run with the allocator the binary installs, so the test of the GEMM's
+    /// reuse sees what training sees.
+    #[global_allocator]
+    static HEAP: SpareBlockAlloc = SpareBlockAlloc::new();
 
     fn block(mib: usize) -> *mut u8 {
         // SAFETY: a valid, non-zero layout.

@@ -46,7 +46,21 @@ pub fn round_bf16(x: f32) -> f32 {
 /// second global pool cannot be built: a process that trains twice (tests) keeps the first.
 pub fn use_threads(threads: usize) {
     let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
-    gemm::set_gemm_threads(threads);
+    set_gemm_threads(threads);
+}
+
+/// How many threads a GEMM may use; set once per rank at start (`[run] threads`). Read by the
+/// GEMM (`gemm`) and by the allocator, which keeps a packing buffer per GEMM thread (`heap`).
+static GEMM_THREADS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+
+/// Sets the number of threads each GEMM uses on this rank.
+pub fn set_gemm_threads(n: usize) {
+    GEMM_THREADS.store(n.max(1), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The number of threads each GEMM uses on this rank.
+pub fn gemm_threads() -> usize {
+    GEMM_THREADS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Cpu {

@@ -358,7 +358,7 @@ mod tests {
     /// what noise is left.
     #[test]
     fn the_gemm_probe_stays_under_the_fma_peak() {
-        let threads = super::super::gemm::gemm_threads();
+        let threads = crate::backend::cpu::gemm_threads();
         let (mut fma, mut gemm) = (0.0f64, 0.0f64);
         for _ in 0..5 {
             fma = fma.max(fma_peak(threads).flops);

@@ -149,7 +149,6 @@ mod tests {
     use super::*;
     use crate::backend::cpu::attention::{attention_bwd, attention_fwd};
     use crate::backend::cuda::gemm_config;
-    use crate::parallel::cp::zigzag_positions;
     use cudarc::cublas::sys::cublasOperation_t;
 
     struct Host;
@@ -244,12 +243,37 @@ mod tests {
         }
     }
 
-    fn inputs(n: usize, seed: u64) -> Vec<f32> {
-        crate::backend::cuda::check::inputs(n, seed)
+    /// Context-parallel rank `rank`'s positions of a sequence of `s` tokens over `cp` ranks:
+    /// chunks `rank` and `2·cp − 1 − rank` of `2·cp` ("zigzag", `docs/parallelism.md`).
+    fn zigzag_positions(s: usize, cp: usize, rank: usize) -> Vec<usize> {
+        let c = s / (2 * cp);
+        (rank * c..(rank + 1) * c).chain((2 * cp - 1 - rank) * c..(2 * cp - rank) * c).collect()
     }
 
+    /// Deterministic inputs in [−1, 1).
+    fn inputs(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Largest |a − b| over the largest |b| (equal values, infinities included, differ by 0).
     fn rel(a: &[f32], b: &[f32]) -> f64 {
-        crate::backend::cuda::check::rel_err(a, b)
+        let scale = b.iter().filter(|x| x.is_finite()).fold(0.0f64, |m, &x| m.max(x.abs() as f64)).max(f64::MIN_POSITIVE);
+        // A NaN on either side is an infinite error.
+        let diff = a.iter().zip(b).fold(0.0f64, |m, (&x, &y)| {
+            let d = if x == y { 0.0 } else { (x as f64 - y as f64).abs() };
+            if d.is_nan() {
+                f64::INFINITY
+            } else {
+                m.max(d)
+            }
+        });
+        diff / scale
     }
 
     /// GQA 6 query heads on 2 kv heads, two sequences; causal, and a context-parallel piece

@@ -5,11 +5,14 @@
 //! with f32 accumulation (tensor cores); attention's batched GEMMs in fp32 or, under bf16, with
 //! TF32 products; everything else stays f32.
 //!
-//! A failing CUDA call panics with its message: the panic hook aborts the MPI job (what can
-//! fail before the first step — a missing library, no GPU — is an error from [`GpuBackend::open`]).
+//! A failed CUDA call does not end the process here: the backend keeps the first failure
+//! (naming the operation), skips every device call after it, and reports it from
+//! [`Backend::synchronize`] — where an asynchronous failure of the device surfaces too — so the
+//! caller turns it into the run's failure (exit 1, naming the rank). What can fail before the
+//! first step — a missing library, no GPU — is an error from [`GpuBackend::open`].
 //!
-//! A little over 600 lines: the `Backend` implementation is one list of every operation of the
-//! boundary, each a few lines over a launch wrapper (`launch`), and reads best whole.
+//! The `Backend` implementation is one list of every operation of the boundary, each a few
+//! lines over a launch wrapper (`launch`).
 
 use super::attention::{self, AttnDevice, AttnPlan, SCORES_CAP};
 use super::{Gpu, Operand};
@@ -20,24 +23,33 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
 
-/// A device tensor; empty (no allocation: CUDA has no zero-byte buffers) when its length is 0.
-pub struct DevBuf<T>(Option<CudaSlice<T>>);
+/// A device tensor of `len` elements. It has no allocation when its length is 0 (CUDA has no
+/// zero-byte buffers) or when its allocation failed (the backend has then recorded the
+/// failure and runs no further device call).
+pub struct DevBuf<T> {
+    slice: Option<CudaSlice<T>>,
+    len: usize,
+}
 
 impl<T> Default for DevBuf<T> {
     fn default() -> Self {
-        DevBuf(None)
+        DevBuf { slice: None, len: 0 }
     }
 }
 
 impl<T> DevBuf<T> {
-    pub(super) fn get(&self) -> &CudaSlice<T> {
-        self.0.as_ref().expect("a GPU buffer of length 0 was used")
+    pub(super) fn of(slice: CudaSlice<T>) -> Self {
+        DevBuf { len: slice.len(), slice: Some(slice) }
     }
-    pub(super) fn get_mut(&mut self) -> &mut CudaSlice<T> {
-        self.0.as_mut().expect("a GPU buffer of length 0 was used")
+    pub(super) fn get(&self) -> Result<&CudaSlice<T>, String> {
+        self.slice.as_ref().ok_or_else(|| format!("a GPU buffer of {} elements without memory was used", self.len))
+    }
+    pub(super) fn get_mut(&mut self) -> Result<&mut CudaSlice<T>, String> {
+        let len = self.len;
+        self.slice.as_mut().ok_or_else(|| format!("a GPU buffer of {len} elements without memory was used"))
     }
     pub fn len(&self) -> usize {
-        self.0.as_ref().map_or(0, |s| s.len())
+        self.len
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
@@ -77,6 +89,8 @@ struct Shared {
     partials: RefCell<DevBuf<f64>>,
     /// What `ndtrain plan` predicts this rank holds, for the message of a failed allocation.
     planned_bytes: std::cell::Cell<Option<usize>>,
+    /// The first device call that failed, with what it was; no device call runs after it.
+    failure: RefCell<Option<String>>,
 }
 
 /// Blocks of the gradient-norm reduction (a fixed grid: the sum is deterministic).
@@ -120,17 +134,11 @@ pub(crate) fn group_ids(ids: &[u32]) -> (Vec<u32>, Vec<i32>, Vec<i32>) {
     (uniq, starts, order)
 }
 
-/// The result of a device call, or the end of the job: a failed CUDA call names the operation
-/// and the rank and ends every rank like any run-time failure (exit 1), not as a panic.
-pub(super) fn ok<R>(what: &str, r: Result<R, String>) -> R {
-    r.unwrap_or_else(|e| crate::parallel::comm::fail(&format!("GPU {what}: {e}")))
-}
-
 impl GpuBackend {
     /// Opens the GPU of this node-local rank and compiles the kernels for it.
     pub fn open(node_rank: usize, precision: Precision) -> Result<GpuBackend, String> {
         let gpu = Gpu::open(node_rank)?;
-        let partials = RefCell::new(DevBuf(Some(gpu.zeros::<f64>(SUM_SQ_BLOCKS)?)));
+        let partials = RefCell::new(DevBuf::of(gpu.zeros::<f64>(SUM_SQ_BLOCKS)?));
         let shared = Shared {
             gpu,
             bf16: RefCell::new(Default::default()),
@@ -139,6 +147,7 @@ impl GpuBackend {
             dscores: RefCell::new(DevBuf::default()),
             partials,
             planned_bytes: std::cell::Cell::new(None),
+            failure: RefCell::new(None),
         };
         Ok(GpuBackend { shared: Rc::new(shared), precision })
     }
@@ -147,13 +156,41 @@ impl GpuBackend {
         &self.shared.gpu
     }
 
+    /// Runs the device call `call` unless one has failed before; a failure is recorded as
+    /// `what` failed (the first one only), and [`Backend::synchronize`] reports it.
+    pub fn run(&self, what: &str, call: impl FnOnce() -> Result<(), String>) {
+        if !self.has_failed() {
+            if let Err(e) = call() {
+                self.record_failure(what, e);
+            }
+        }
+    }
+
+    /// Whether a device call has failed: every later one is skipped.
+    pub fn has_failed(&self) -> bool {
+        self.shared.failure.borrow().is_some()
+    }
+
+    /// Records that `what` failed with `e`, unless an earlier failure is recorded.
+    pub fn record_failure(&self, what: &str, e: String) {
+        let mut f = self.shared.failure.borrow_mut();
+        if f.is_none() {
+            *f = Some(format!("GPU {what}: {e}"));
+        }
+    }
+
+    /// `n` zeros on the device; without memory (a recorded failure) when the allocation fails.
     fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> DevBuf<T> {
-        if n == 0 {
-            return DevBuf(None);
+        if n == 0 || self.has_failed() {
+            return DevBuf { slice: None, len: n };
         }
         match self.gpu().zeros::<T>(n) {
-            Ok(s) => DevBuf(Some(s)),
-            Err(e) => crate::parallel::comm::fail(&self.allocation_failure(n * std::mem::size_of::<T>(), &e)),
+            Ok(s) => DevBuf::of(s),
+            Err(e) => {
+                let message = self.allocation_failure(n * std::mem::size_of::<T>(), &e);
+                self.record_failure("allocation", message);
+                DevBuf { slice: None, len: n }
+            }
         }
     }
 
@@ -182,8 +219,8 @@ impl GpuBackend {
         if dst.len() != host.len() {
             *dst = self.alloc(host.len());
         }
-        if let Some(d) = dst.0.as_mut() {
-            ok("copy to the device", self.gpu().stream.memcpy_htod(host, d).map_err(|e| format!("{e:?}")));
+        if let Some(d) = dst.slice.as_mut() {
+            self.run("copy to the device", || self.gpu().stream.memcpy_htod(host, d).map_err(|e| format!("{e:?}")));
         }
     }
 
@@ -202,13 +239,13 @@ impl GpuBackend {
         let beta = if acc { 1.0 } else { 0.0 };
         if mnk.2 == 0 {
             if !acc {
-                ok("gemm", self.gpu().fill(&mut c.get_mut().slice_mut(..), 0.0));
+                self.run("gemm", || self.gpu().fill(&mut c.get_mut()?.slice_mut(..), 0.0));
             }
             return;
         }
         match self.precision {
             Precision::Fp32 => {
-                ok("sgemm", self.gpu().gemm(c.get_mut(), Operand::F32(a.get(), 0), Operand::F32(b.get(), 0), mnk, trans, beta))
+                self.run("sgemm", || self.gpu().gemm(c.get_mut()?, Operand::F32(a.get()?, 0), Operand::F32(b.get()?, 0), mnk, trans, beta))
             }
             Precision::Bf16 => {
                 let _for = crate::backend::allocating("bf16 copies of a GEMM's operands", None);
@@ -219,9 +256,11 @@ impl GpuBackend {
                         *scratch = self.alloc(x.len());
                     }
                 }
-                ok("to bf16", self.gpu().to_bf16(sa.get_mut(), a.get()));
-                ok("to bf16", self.gpu().to_bf16(sb.get_mut(), b.get()));
-                ok("bf16 gemm", self.gpu().gemm(c.get_mut(), Operand::Bf16(sa.get(), 0), Operand::Bf16(sb.get(), 0), mnk, trans, beta));
+                self.run("bf16 gemm", || {
+                    self.gpu().to_bf16(sa.get_mut()?, a.get()?)?;
+                    self.gpu().to_bf16(sb.get_mut()?, b.get()?)?;
+                    self.gpu().gemm(c.get_mut()?, Operand::Bf16(sa.get()?, 0), Operand::Bf16(sb.get()?, 0), mnk, trans, beta)
+                });
             }
         }
     }
@@ -235,16 +274,16 @@ impl GpuBackend {
     /// after a warm-up, for the MFU line when the deck states no peak.
     pub fn gemm_probe(&self) -> Result<f64, String> {
         let n = 8192;
-        let (a, b) = (DevBuf(Some(self.gpu().zeros::<f32>(n * n)?)), DevBuf(Some(self.gpu().zeros::<f32>(n * n)?)));
-        let mut c = DevBuf(Some(self.gpu().zeros::<f32>(n * n)?));
+        let (a, b) = (DevBuf::of(self.gpu().zeros::<f32>(n * n)?), DevBuf::of(self.gpu().zeros::<f32>(n * n)?));
+        let mut c = DevBuf::of(self.gpu().zeros::<f32>(n * n)?);
         self.gemm(&mut c, &a, &b, (n, n, n), (false, false), false);
-        self.gpu().synchronize()?;
+        self.synchronize()?;
         let reps = 5;
         let t = std::time::Instant::now();
         for _ in 0..reps {
             self.gemm(&mut c, &a, &b, (n, n, n), (false, false), false);
         }
-        self.gpu().synchronize()?;
+        self.synchronize()?;
         Ok(reps as f64 * 2.0 * (n as f64).powi(3) / t.elapsed().as_secs_f64())
     }
 }
@@ -254,7 +293,12 @@ impl Backend<f32> for GpuBackend {
     type Ids = DevIds;
     type Pos = DevBuf<i32>;
 
+    /// The first recorded failure, else the device's own (an asynchronous failure surfaces at
+    /// the synchronisation).
     fn synchronize(&self) -> Result<(), String> {
+        if let Some(e) = self.shared.failure.borrow().clone() {
+            return Err(e);
+        }
         self.gpu().synchronize()
     }
 
@@ -287,16 +331,18 @@ impl Backend<f32> for GpuBackend {
 
     fn download(&self, src: &DevBuf<f32>, host: &mut [f32]) {
         assert_eq!(src.len(), host.len(), "download: lengths differ");
-        if let Some(s) = src.0.as_ref() {
-            ok("copy from the device", self.gpu().stream.memcpy_dtoh(s, host).map_err(|e| format!("{e:?}")));
-            ok("synchronize", self.gpu().synchronize());
+        if let Some(s) = src.slice.as_ref() {
+            self.run("copy from the device", || {
+                self.gpu().stream.memcpy_dtoh(s, host).map_err(|e| format!("{e:?}"))?;
+                self.gpu().synchronize()
+            });
         }
     }
 
     fn copy(&self, dst: &mut DevBuf<f32>, src: &DevBuf<f32>) {
         assert_eq!(dst.len(), src.len(), "copy: lengths differ");
-        if let (Some(d), Some(s)) = (dst.0.as_mut(), src.0.as_ref()) {
-            ok("device copy", self.gpu().stream.memcpy_dtod(s, d).map_err(|e| format!("{e:?}")));
+        if let (Some(d), Some(s)) = (dst.slice.as_mut(), src.slice.as_ref()) {
+            self.run("device copy", || self.gpu().stream.memcpy_dtod(s, d).map_err(|e| format!("{e:?}")));
         }
     }
 
@@ -313,20 +359,20 @@ impl Backend<f32> for GpuBackend {
     fn copy_range(&self, dst: &mut DevBuf<f32>, at: usize, src: &DevBuf<f32>, from: Range<usize>) {
         if !from.is_empty() {
             let n = from.len();
-            ok("copy_range", self.gpu().copy(&mut dst.get_mut().slice_mut(at..at + n), &src.get().slice(from)));
+            self.run("copy_range", || self.gpu().copy(&mut dst.get_mut()?.slice_mut(at..at + n), &src.get()?.slice(from)));
         }
     }
 
     fn add_range(&self, dst: &mut DevBuf<f32>, at: usize, src: &DevBuf<f32>, from: Range<usize>) {
         if !from.is_empty() {
             let n = from.len();
-            ok("add_range", self.gpu().add_assign(&mut dst.get_mut().slice_mut(at..at + n), &src.get().slice(from)));
+            self.run("add_range", || self.gpu().add_assign(&mut dst.get_mut()?.slice_mut(at..at + n), &src.get()?.slice(from)));
         }
     }
 
     fn fill_range(&self, dst: &mut DevBuf<f32>, range: Range<usize>, x: f32) {
         if !range.is_empty() {
-            ok("fill_range", self.gpu().fill(&mut dst.get_mut().slice_mut(range), x));
+            self.run("fill_range", || self.gpu().fill(&mut dst.get_mut()?.slice_mut(range), x));
         }
     }
 
@@ -359,8 +405,8 @@ impl Backend<f32> for GpuBackend {
     }
 
     fn fill(&self, dst: &mut DevBuf<f32>, x: f32) {
-        if let Some(d) = dst.0.as_mut() {
-            ok("fill", self.gpu().fill(&mut d.slice_mut(..), x));
+        if let Some(d) = dst.slice.as_mut() {
+            self.run("fill", || self.gpu().fill(&mut d.slice_mut(..), x));
         }
     }
 
@@ -397,7 +443,7 @@ impl Backend<f32> for GpuBackend {
             return;
         }
         let n = x.len() / d;
-        ok("rmsnorm_fwd", self.gpu().rmsnorm_fwd(y.get_mut(), rstd.get_mut(), x.get(), w.get(), n, d, eps as f32));
+        self.run("rmsnorm_fwd", || self.gpu().rmsnorm_fwd(y.get_mut()?, rstd.get_mut()?, x.get()?, w.get()?, n, d, eps as f32));
     }
 
     fn rmsnorm_bwd(
@@ -415,7 +461,9 @@ impl Backend<f32> for GpuBackend {
             return;
         }
         let n = x.len() / d;
-        ok("rmsnorm_bwd", self.gpu().rmsnorm_bwd(dx.get_mut(), dw.get_mut(), dy.get(), x.get(), w.get(), rstd.get(), (n, d), acc));
+        self.run("rmsnorm_bwd", || {
+            self.gpu().rmsnorm_bwd(dx.get_mut()?, dw.get_mut()?, dy.get()?, x.get()?, w.get()?, rstd.get()?, (n, d), acc)
+        });
     }
 
     fn tokens_to_heads(
@@ -431,8 +479,10 @@ impl Backend<f32> for GpuBackend {
         if src.is_empty() {
             return;
         }
-        let tables = rope.map(|(c, s)| (c.get(), s.get()));
-        ok("to_heads", self.gpu().heads_rope(dst.get_mut(), src.get(), tables, (b, s, nh, hd), true));
+        self.run("to_heads", || {
+            let tables = rope.map(|(c, s)| Ok::<_, String>((c.get()?, s.get()?))).transpose()?;
+            self.gpu().heads_rope(dst.get_mut()?, src.get()?, tables, (b, s, nh, hd), true)
+        });
     }
 
     fn heads_to_tokens(
@@ -448,59 +498,65 @@ impl Backend<f32> for GpuBackend {
         if src.is_empty() {
             return;
         }
-        let tables = rope.map(|(c, s)| (c.get(), s.get()));
-        ok("from_heads", self.gpu().heads_rope(dst.get_mut(), src.get(), tables, (b, s, nh, hd), false));
+        self.run("from_heads", || {
+            let tables = rope.map(|(c, s)| Ok::<_, String>((c.get()?, s.get()?))).transpose()?;
+            self.gpu().heads_rope(dst.get_mut()?, src.get()?, tables, (b, s, nh, hd), false)
+        });
     }
 
     fn swiglu_fwd(&self, h: &mut DevBuf<f32>, gate: &DevBuf<f32>, up: &DevBuf<f32>) {
         if !h.is_empty() {
-            ok("swiglu_fwd", self.gpu().swiglu_fwd(h.get_mut(), gate.get(), up.get()));
+            self.run("swiglu_fwd", || self.gpu().swiglu_fwd(h.get_mut()?, gate.get()?, up.get()?));
         }
     }
 
     fn swiglu_bwd(&self, dgate: &mut DevBuf<f32>, dup: &mut DevBuf<f32>, dh: &DevBuf<f32>, gate: &DevBuf<f32>, up: &DevBuf<f32>) {
         if !dgate.is_empty() {
-            ok("swiglu_bwd", self.gpu().swiglu_bwd(dgate.get_mut(), dup.get_mut(), dh.get(), gate.get(), up.get()));
+            self.run("swiglu_bwd", || self.gpu().swiglu_bwd(dgate.get_mut()?, dup.get_mut()?, dh.get()?, gate.get()?, up.get()?));
         }
     }
 
     fn add_assign(&self, dst: &mut DevBuf<f32>, src: &DevBuf<f32>) {
         if !dst.is_empty() {
-            ok("add_assign", self.gpu().add_assign(&mut dst.get_mut().slice_mut(..), &src.get().slice(..)));
+            self.run("add_assign", || self.gpu().add_assign(&mut dst.get_mut()?.slice_mut(..), &src.get()?.slice(..)));
         }
     }
 
     fn embed_fwd(&self, x: &mut DevBuf<f32>, table: &DevBuf<f32>, ids: &DevIds, offset: usize, valid: usize, d: usize) {
         if !x.is_empty() {
-            ok("embed_fwd", self.gpu().embed_fwd(x.get_mut(), table.get(), ids.ids.get(), (ids.ids.len(), d, offset, valid)));
+            self.run("embed_fwd", || self.gpu().embed_fwd(x.get_mut()?, table.get()?, ids.ids.get()?, (ids.ids.len(), d, offset, valid)));
         }
     }
 
     fn embed_bwd(&self, dtable: &mut DevBuf<f32>, dx: &DevBuf<f32>, ids: &DevIds, offset: usize, valid: usize, d: usize) {
         if !ids.uniq.is_empty() {
-            let groups = (ids.uniq.get(), ids.starts.get(), ids.order.get());
-            ok("embed_bwd", self.gpu().embed_bwd(dtable.get_mut(), dx.get(), groups, (d, offset, valid)));
+            self.run("embed_bwd", || {
+                let groups = (ids.uniq.get()?, ids.starts.get()?, ids.order.get()?);
+                self.gpu().embed_bwd(dtable.get_mut()?, dx.get()?, groups, (d, offset, valid))
+            });
         }
     }
 
     fn ce_row_max(&self, m: &mut DevBuf<f32>, logits: &DevBuf<f32>, v: usize, valid: usize) {
         if !m.is_empty() {
             let n = m.len();
-            ok("ce_row_max", self.gpu().ce_row_max(m.get_mut(), logits.get(), (n, v, valid)));
+            self.run("ce_row_max", || self.gpu().ce_row_max(m.get_mut()?, logits.get()?, (n, v, valid)));
         }
     }
 
     fn ce_row_sum_exp(&self, s: &mut DevBuf<f32>, logits: &DevBuf<f32>, m: &DevBuf<f32>, v: usize, valid: usize) {
         if !s.is_empty() {
             let n = s.len();
-            ok("ce_row_sum_exp", self.gpu().ce_row_sum_exp(s.get_mut(), logits.get(), m.get(), (n, v, valid)));
+            self.run("ce_row_sum_exp", || self.gpu().ce_row_sum_exp(s.get_mut()?, logits.get()?, m.get()?, (n, v, valid)));
         }
     }
 
     fn ce_target_logit(&self, t: &mut DevBuf<f32>, logits: &DevBuf<f32>, targets: &DevIds, v: usize, offset: usize, valid: usize) {
         if !t.is_empty() {
             let n = t.len();
-            ok("ce_target_logit", self.gpu().ce_target_logit(t.get_mut(), logits.get(), targets.ids.get(), (n, v, offset, valid)));
+            self.run("ce_target_logit", || {
+                self.gpu().ce_target_logit(t.get_mut()?, logits.get()?, targets.ids.get()?, (n, v, offset, valid))
+            });
         }
     }
 
@@ -508,10 +564,15 @@ impl Backend<f32> for GpuBackend {
         if lse.is_empty() {
             return 0.0;
         }
-        ok("ce_finish", self.gpu().ce_finish(lse.get_mut(), m.get()));
-        // Summed on the host in row order from the f32 row losses, as the CPU does.
-        let (l, t) = (ok("copy", self.gpu().download(lse.get())), ok("copy", self.gpu().download(t.get())));
-        l.iter().zip(&t).map(|(&a, &b)| (a - b) as f64).sum()
+        let mut sum = 0.0;
+        self.run("ce_finish", || {
+            self.gpu().ce_finish(lse.get_mut()?, m.get()?)?;
+            // Summed on the host in row order from the f32 row losses, as the CPU does.
+            let (l, t) = (self.gpu().download(lse.get()?)?, self.gpu().download(t.get()?)?);
+            sum = l.iter().zip(&t).map(|(&a, &b)| (a - b) as f64).sum();
+            Ok(())
+        });
+        sum
     }
 
     fn ce_bwd_inplace(
@@ -525,7 +586,9 @@ impl Backend<f32> for GpuBackend {
         scale: f32,
     ) {
         if !lse.is_empty() {
-            ok("ce_bwd", self.gpu().ce_bwd_inplace(logits.get_mut(), lse.get(), targets.ids.get(), (lse.len(), v, offset, valid), scale));
+            self.run("ce_bwd", || {
+                self.gpu().ce_bwd_inplace(logits.get_mut()?, lse.get()?, targets.ids.get()?, (lse.len(), v, offset, valid), scale)
+            });
         }
     }
 
@@ -577,29 +640,35 @@ impl Backend<f32> for GpuBackend {
 
     fn attention_merge(&self, o: &mut DevBuf<f32>, lse: &mut DevBuf<f32>, o_part: &DevBuf<f32>, lse_part: &DevBuf<f32>, hd: usize) {
         if !lse.is_empty() {
-            ok("attention_merge", self.gpu().attn_merge(o.get_mut(), lse.get_mut(), o_part.get(), lse_part.get(), hd));
+            self.run("attention_merge", || self.gpu().attn_merge(o.get_mut()?, lse.get_mut()?, o_part.get()?, lse_part.get()?, hd));
         }
     }
 
     fn sum_sq(&self, x: &DevBuf<f32>, range: Range<usize>) -> f64 {
-        match x.0.as_ref().filter(|_| !range.is_empty()) {
-            None => 0.0,
-            Some(x) => ok("sum_sq", self.gpu().sum_sq(&x.slice(range), self.shared.partials.borrow_mut().get_mut())),
+        let mut sum = 0.0;
+        if let Some(x) = x.slice.as_ref().filter(|_| !range.is_empty()) {
+            self.run("sum_sq", || {
+                sum = self.gpu().sum_sq(&x.slice(range), self.shared.partials.borrow_mut().get_mut()?)?;
+                Ok(())
+            });
         }
+        sum
     }
 
     fn scale(&self, x: &mut DevBuf<f32>, c: f32) {
-        if let Some(x) = x.0.as_mut() {
-            ok("scale", self.gpu().scale(&mut x.slice_mut(..), c));
+        if let Some(x) = x.slice.as_mut() {
+            self.run("scale", || self.gpu().scale(&mut x.slice_mut(..), c));
         }
     }
 
     fn adamw(&self, p: &mut DevBuf<f32>, m: &mut DevBuf<f32>, v: &mut DevBuf<f32>, g: &DevBuf<f32>, range: Range<usize>, step: &AdamStep) {
         if !range.is_empty() {
             let r = range;
-            let (mut p, mut m, mut v) =
-                (p.get_mut().slice_mut(r.clone()), m.get_mut().slice_mut(r.clone()), v.get_mut().slice_mut(r.clone()));
-            ok("adamw", self.gpu().adamw(&mut p, &mut m, &mut v, &g.get().slice(r), step));
+            self.run("adamw", || {
+                let (mut p, mut m, mut v) =
+                    (p.get_mut()?.slice_mut(r.clone()), m.get_mut()?.slice_mut(r.clone()), v.get_mut()?.slice_mut(r.clone()));
+                self.gpu().adamw(&mut p, &mut m, &mut v, &g.get()?.slice(r), step)
+            });
         }
     }
 }
@@ -629,8 +698,10 @@ impl AttnDevice for GpuAttn<'_> {
         trans: (bool, bool),
         batch: (usize, (usize, usize, usize)),
     ) {
-        let (a, b) = (Operand::F32(a.0.get(), a.1), Operand::F32(b.0.get(), b.1));
-        ok("attention GEMM", self.be.gpu().gemm_batched((c.0.get_mut(), c.1), a, b, mnk, trans, 0.0, batch, self.tf32));
+        self.be.run("attention GEMM", || {
+            let (a, b) = (Operand::F32(a.0.get()?, a.1), Operand::F32(b.0.get()?, b.1));
+            self.be.gpu().gemm_batched((c.0.get_mut()?, c.1), a, b, mnk, trans, 0.0, batch, self.tf32)
+        });
     }
 
     fn softmax(
@@ -641,7 +712,9 @@ impl AttnDevice for GpuAttn<'_> {
         rows: (usize, usize, usize, usize),
         scale: f32,
     ) {
-        ok("attention softmax", self.be.gpu().attn_softmax(s.get_mut(), lse.get_mut(), (pos.0.get(), pos.1.get()), rows, scale));
+        self.be.run("attention softmax", || {
+            self.be.gpu().attn_softmax(s.get_mut()?, lse.get_mut()?, (pos.0.get()?, pos.1.get()?), rows, scale)
+        });
     }
 
     fn probs(
@@ -652,15 +725,17 @@ impl AttnDevice for GpuAttn<'_> {
         rows: (usize, usize, usize, usize),
         scale: f32,
     ) {
-        ok("attention probabilities", self.be.gpu().attn_probs(s.get_mut(), lse.get(), (pos.0.get(), pos.1.get()), rows, scale));
+        self.be.run("attention probabilities", || {
+            self.be.gpu().attn_probs(s.get_mut()?, lse.get()?, (pos.0.get()?, pos.1.get()?), rows, scale)
+        });
     }
 
     fn dscores(&self, dp: &mut DevBuf<f32>, p: &DevBuf<f32>, dd: &DevBuf<f32>, rows: (usize, usize, usize), scale: f32) {
-        ok("attention dS", self.be.gpu().attn_dscores(dp.get_mut(), p.get(), dd.get(), rows, scale));
+        self.be.run("attention dS", || self.be.gpu().attn_dscores(dp.get_mut()?, p.get()?, dd.get()?, rows, scale));
     }
 
     fn rowdot(&self, dd: &mut DevBuf<f32>, d_o: &DevBuf<f32>, o: &DevBuf<f32>, rows: (usize, usize)) {
-        ok("attention rowsum(dO∘O)", self.be.gpu().attn_rowdot(dd.get_mut(), d_o.get(), o.get(), rows));
+        self.be.run("attention rowsum(dO∘O)", || self.be.gpu().attn_rowdot(dd.get_mut()?, d_o.get()?, o.get()?, rows));
     }
 }
 
@@ -674,8 +749,9 @@ mod tests {
     fn grouped_ids_reproduce_the_host_embedding_backward_bitwise() {
         let (n, d, offset, valid) = (200, 8, 10, 13);
         let ids: Vec<u32> = (0..n as u32).map(|i| 5 + (i * 7919) % 23).collect();
-        let dx = crate::backend::cuda::check::inputs(n * d, 3);
-        let table = crate::backend::cuda::check::inputs(valid * d, 4);
+        let inputs = |n: usize, k: usize| (0..n).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect::<Vec<f32>>();
+        let dx = inputs(n * d, 3);
+        let table = inputs(valid * d, 4);
         let mut want = table.clone();
         Backend::<f32>::embed_bwd(&crate::backend::cpu::Cpu::default(), &mut want, &dx, &ids.to_vec(), offset, valid, d);
         let (uniq, starts, order) = group_ids(&ids);

@@ -1,13 +1,10 @@
-//! Opening the rank's GPU, its memory (uploads, downloads, device copies), the stream's
-//! synchronisation, and NCCL communicators bootstrapped over an MPI group.
+//! Opening the rank's GPU, its memory (uploads, downloads, device copies) and the stream's
+//! synchronisation.
 
 use super::{compile, err, libraries_present, need, Gpu, KERNELS};
-use crate::parallel::comm::Group;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig};
-use cudarc::nccl::{Comm, Id};
+use cudarc::driver::{CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig};
 use std::collections::HashMap;
-use std::sync::Arc;
 
 /// The GPUs this process can see (within `CUDA_VISIBLE_DEVICES`).
 pub fn device_count() -> Result<usize, String> {
@@ -64,24 +61,6 @@ impl Gpu {
 
     pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, String> {
         self.stream.alloc_zeros::<T>(n).map_err(err("allocating on the GPU"))
-    }
-
-    /// One NCCL communicator over the ranks of `group`, its collectives on `stream`: its rank 0
-    /// creates the unique id and broadcasts it over the group's MPI communicator; every rank
-    /// then joins.
-    pub fn nccl(&self, group: &Group, stream: &Arc<CudaStream>) -> Result<Comm, String> {
-        let mut id = vec![0u8; 128];
-        if group.rank() == 0 {
-            let fresh = Id::new().map_err(|e| format!("ncclGetUniqueId: {e:?}"))?;
-            id = fresh.internal().iter().map(|&c| c as u8).collect();
-        }
-        group.broadcast_bytes(0, &mut id);
-        let mut internal = [0 as std::ffi::c_char; 128];
-        for (d, &s) in internal.iter_mut().zip(&id) {
-            *d = s as std::ffi::c_char;
-        }
-        Comm::from_rank(stream.clone(), group.rank(), group.size(), Id::uninit(internal))
-            .map_err(|e| format!("ncclCommInitRank ({} ranks in {}): {e:?}", group.size(), group.name()))
     }
 
     /// Bytes in use in the stream-ordered allocator's pool (where every buffer of the backend

@@ -1,6 +1,7 @@
 // The decoder's kernels for NVIDIA GPUs, compiled once at start by NVRTC for the device's
-// architecture (src/gpu/mod.rs). Each mirrors a CPU kernel of src/model/kernels.rs,
-// src/model/attention.rs or src/optim.rs, which is the reference `ndtrain gpu-check` compares
+// architecture (src/backend/cuda/mod.rs). Each mirrors a CPU kernel of
+// src/backend/cpu/kernels.rs, src/backend/cpu/attention.rs or src/backend/cpu/adamw.rs, which is
+// the reference `ndtrain gpu-check` compares
 // against; the comments name it. fp32 throughout except the bf16 conversions: bf16 is stored
 // as `unsigned short` (its bit pattern), so no CUDA header is needed.
 //
@@ -217,7 +218,7 @@ extern "C" __global__ void ce_bwd_inplace(float* logits, const float* lse, const
 
 // ---- Causal grouped-query attention (cpu::attention) -----------------------------------
 // The products QKᵀ, PV and their backward are cuBLAS batched GEMMs over (batch, kv head)
-// groups, the `rep = H / KV` query heads of a group stacked as rows (src/gpu/backend.rs); these
+// groups, the `rep = H / KV` query heads of a group stacked as rows (src/backend/cuda/attention.rs); these
 // kernels do the rest, one block per row of scores [rows, sk]. Row `row0 + r` is query
 // `(row0 + r) % sq` of its head. Causality is by global position (k_pos[j] > q_pos[i] is
 // masked), as on the CPU, so a context-parallel rank's zigzag pieces work unchanged.

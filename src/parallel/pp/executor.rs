@@ -47,6 +47,29 @@ pub struct ScheduleTimes {
     pub backward_s: f64,
 }
 
+impl ScheduleTimes {
+    /// Adds an action's times from its four instants: start, inputs ready (its micro-batch
+    /// loaded, the next receive posted), its neighbour's message received, done.
+    fn add(&mut self, action: Action, [t0, t1, t2, t3]: [Instant; 4]) {
+        self.data_s += (t1 - t0).as_secs_f64();
+        self.wait_s += (t2 - t1).as_secs_f64();
+        let compute = (t3 - t2).as_secs_f64();
+        match action {
+            Action::Forward { .. } => self.forward_s += compute,
+            Action::Backward { .. } | Action::Weight { .. } => self.backward_s += compute,
+        }
+    }
+}
+
+/// What one forward or backward runs on: its chunk, micro-batch, the input a neighbour sent
+/// (none where the chunk runs the embedding, or the head in backward), and the model's hooks.
+struct Step<'a, 'h, B: Backend<f32>> {
+    chunk: usize,
+    micro: usize,
+    input: Option<&'a B::Buf>,
+    hooks: Hooks<'h, f32, B>,
+}
+
 /// A pipeline chunk and a micro-batch: what a model or kept work belongs to.
 type ChunkMicro = (usize, usize);
 
@@ -132,10 +155,10 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
     }
 
     /// Runs a training step's schedule (`micro_batches` is then the step's), or with
-    /// [`Pass::Evaluate`] the forward-only schedule of `micro_batches` micro-batches. `batch(m)` loads micro-batch `m` (called once, before
-    /// its first action); `observe` hears of each action before it runs (the watchdog's
-    /// heartbeat). Returns the summed loss of this rank's tokens (zero off the last stage) and
-    /// where the time went.
+    /// [`Pass::Evaluate`] the forward-only schedule of `micro_batches` micro-batches. `batch(m)`
+    /// loads micro-batch `m` (called once, before its first action); `observe` hears of each
+    /// action before it runs, as text for people (the watchdog's heartbeat). Returns the summed
+    /// loss of this rank's tokens (zero off the last stage) and where the time went.
     pub fn run(
         &mut self,
         mut pass: Pass<'_, 'g, B>,
@@ -145,28 +168,41 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
         batch: &mut dyn FnMut(usize) -> Result<LocalBatch, Error>,
         observe: &mut dyn FnMut(&dyn std::fmt::Display),
     ) -> Result<(f64, ScheduleTimes), Error> {
-        let actions = match pass {
-            Pass::Train { .. } => std::mem::take(&mut self.train),
-            Pass::Evaluate => schedule::forward_only(self.chunks.len(), micro_batches),
-        };
-        let last_use = schedule::last_use(&actions, micro_batches);
-        let (mut loss_sum, mut times) = (0.0, ScheduleTimes::default());
+        let training = matches!(pass, Pass::Train { .. });
+        let actions = if training { std::mem::take(&mut self.train) } else { schedule::forward_only(self.chunks.len(), micro_batches) };
+        let outcome = self.run_actions(&actions, (&mut pass, params, hooks), micro_batches, batch, observe);
+        if training {
+            self.train = actions;
+        }
+        let (loss_sum, mut times) = outcome?;
+        let t = Instant::now();
+        self.comm.finish();
+        times.wait_s += t.elapsed().as_secs_f64();
+        debug_assert!(self.busy.is_empty(), "every micro-batch's backward ran");
+        debug_assert!(params.all_released(), "every gathered block is freed by its last use");
+        Ok((loss_sum, times))
+    }
+
+    /// The loop of [`Self::run`] over `actions`: each action's micro-batch loaded at its first
+    /// use and dropped after its last, the next action's receive posted, this action's input
+    /// received, the action run, and the device waited for (so the host's clock times it).
+    fn run_actions(
+        &mut self,
+        actions: &[Action],
+        (pass, params, hooks): (&mut Pass<'_, 'g, B>, &mut FsdpParams<'g, B>, Hooks<'_, f32, B>),
+        micro_batches: usize,
+        batch: &mut dyn FnMut(usize) -> Result<LocalBatch, Error>,
+        observe: &mut dyn FnMut(&dyn std::fmt::Display),
+    ) -> Result<(f64, ScheduleTimes), Error> {
+        let last_use = schedule::last_use(actions, micro_batches);
         // The tokens of the micro-batches started and not yet past their last action.
-        let mut batches: Vec<(usize, LocalBatch)> = vec![];
-        let start = Instant::now();
-        let mut result = Ok(());
+        let mut loaded: Vec<(usize, LocalBatch)> = vec![];
+        let (mut loss_sum, mut times, start) = (0.0, ScheduleTimes::default(), Instant::now());
         for (i, &action) in actions.iter().enumerate() {
             observe(&Progress { action, of: micro_batches });
-            let t0 = Instant::now();
-            let micro = action.micro();
-            if !batches.iter().any(|(m, _)| *m == micro) {
-                match batch(micro) {
-                    Ok(b) => batches.push((micro, b)),
-                    Err(e) => {
-                        result = Err(e);
-                        break;
-                    }
-                }
+            let (t0, micro) = (Instant::now(), action.micro());
+            if !loaded.iter().any(|(m, _)| *m == micro) {
+                loaded.push((micro, batch(micro)?));
             }
             if let Some(&next) = actions.get(i + 1) {
                 self.post_receive(next);
@@ -174,34 +210,15 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             let t1 = Instant::now();
             let received = self.receive(action);
             let t2 = Instant::now();
-            let (_, tokens) = batches.iter().find(|(m, _)| *m == micro).expect("loaded above");
-            loss_sum += self.act(action, &mut pass, params, hooks, tokens, received);
+            let (_, tokens) = loaded.iter().find(|(m, _)| *m == micro).expect("loaded above");
+            loss_sum += self.act(action, pass, params, hooks, tokens, received);
             if last_use[micro] == i {
-                batches.retain(|(m, _)| *m != micro);
+                loaded.retain(|(m, _)| *m != micro);
             }
-            if let Err(e) = self.be.synchronize() {
-                result = Err(format!("{}: {e}", self.be.describe()).into());
-                break;
-            }
-            let t3 = Instant::now();
-            log_action(action, (t1 - start, t2 - t1, t3 - t2));
-            times.data_s += (t1 - t0).as_secs_f64();
-            times.wait_s += (t2 - t1).as_secs_f64();
-            let compute = (t3 - t2).as_secs_f64();
-            match action {
-                Action::Forward { .. } => times.forward_s += compute,
-                Action::Backward { .. } | Action::Weight { .. } => times.backward_s += compute,
-            }
+            self.be.synchronize().map_err(|e| format!("{}: {e}", self.be.describe()))?;
+            times.add(action, [t0, t1, t2, Instant::now()]);
+            log_action(action, (t1 - start, t2 - t1, t2.elapsed()));
         }
-        if matches!(pass, Pass::Train { .. }) {
-            self.train = actions;
-        }
-        result?;
-        let t = Instant::now();
-        self.comm.finish();
-        times.wait_s += t.elapsed().as_secs_f64();
-        debug_assert!(self.busy.is_empty(), "every micro-batch's backward ran");
-        debug_assert!(params.all_released(), "every gathered block is freed by its last use");
         Ok((loss_sum, times))
     }
 
@@ -233,8 +250,9 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
         true
     }
 
-    /// Runs one action on `tokens`; returns the loss it computed (a head's forward in a
-    /// stage's last chunk, else zero).
+    /// Runs one action on `tokens` (`received`: its input came from a neighbour, in
+    /// [`Self::received`]); returns the loss it computed (a forward of the last stage's last
+    /// chunk, else zero).
     fn act(
         &mut self,
         action: Action,
@@ -244,9 +262,38 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
         tokens: &LocalBatch,
         received: bool,
     ) -> f64 {
-        let (chunk, micro) = (action.chunk(), action.micro());
-        let offset = self.chunks[chunk].offset;
-        let sends = self.neighbours(action).1;
+        let input = std::mem::take(&mut self.received);
+        let step = Step { chunk: action.chunk(), micro: action.micro(), input: received.then_some(&input), hooks };
+        let loss = match (action, pass) {
+            (Action::Forward { .. }, pass) => self.forward(step, matches!(pass, Pass::Train { .. }), params, tokens),
+            (Action::Backward { .. }, Pass::Train { grads, loss_scale }) => {
+                self.backward(step, params, grads, *loss_scale);
+                0.0
+            }
+            (Action::Weight { .. }, Pass::Train { grads, .. }) => {
+                let work = take_entry(&mut self.deferred, (step.chunk, step.micro));
+                // The blocks' gradients of the micro-batch are complete only now.
+                grads.begin_micro_step(step.micro + 1 == self.micro_batches);
+                work.apply(&self.be, &mut Offset { inner: &mut **grads, offset: self.chunks[step.chunk].offset });
+                self.spare_work.push(work);
+                0.0
+            }
+            (_, Pass::Evaluate) => unreachable!("an evaluation runs forwards only"),
+        };
+        self.received = input;
+        loss
+    }
+
+    /// A chunk's forward of a micro-batch, its output sent on where a stage follows. In
+    /// training the model keeps the activations until its backward; in an evaluation it is
+    /// free again at once and the gathered weights are released.
+    fn forward(&mut self, step: Step<'_, '_, B>, training: bool, params: &mut FsdpParams<'g, B>, tokens: &LocalBatch) -> f64 {
+        let mut model = self.take_model(step.chunk);
+        if training {
+            params.begin_micro_step();
+        } else {
+            params.begin_evaluation();
+        }
         let s_local = tokens.positions.len();
         let tok = Tokens {
             inputs: &tokens.inputs,
@@ -255,59 +302,43 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             batch: tokens.inputs.len() / s_local.max(1),
             seq: s_local,
         };
-        let input = std::mem::take(&mut self.received);
-        let input_ref = received.then_some(&input);
-        let mut loss = 0.0;
-        match (action, pass) {
-            (Action::Forward { .. }, Pass::Evaluate) => {
-                let mut model = self.take_model(chunk);
-                params.begin_evaluation();
-                loss = model.forward_stage(&mut Offset { inner: params, offset }, &tok, hooks, input_ref);
-                params.end_micro_step();
-                if sends {
-                    self.comm.send(&self.be, chunk, Direction::Forward, model.stage_output());
-                }
-                self.free[chunk].push(model);
-            }
-            (Action::Forward { .. }, Pass::Train { .. }) => {
-                let mut model = self.take_model(chunk);
-                params.begin_micro_step();
-                loss = model.forward_stage(&mut Offset { inner: params, offset }, &tok, hooks, input_ref);
-                if sends {
-                    self.comm.send(&self.be, chunk, Direction::Forward, model.stage_output());
-                }
-                self.busy.push(((chunk, micro), model));
-            }
-            (Action::Backward { .. }, Pass::Train { grads, loss_scale }) => {
-                let mut model = take_entry(&mut self.busy, (chunk, micro));
-                params.begin_backward();
-                // Each chunk's last backward completes its units' gradients for the step.
-                grads.begin_micro_step(micro + 1 == self.micro_batches);
-                let (mut w, mut g) = (Offset { inner: &mut *params, offset }, Offset { inner: &mut **grads, offset });
-                if self.split_backward {
-                    let mut work = self.spare_work.pop().unwrap_or_default();
-                    model.backward_input_stage(&mut w, &mut g, *loss_scale, hooks, input_ref, &mut work);
-                    self.deferred.push(((chunk, micro), work));
-                } else {
-                    model.backward_stage(&mut w, &mut g, *loss_scale, hooks, input_ref);
-                }
-                params.end_micro_step();
-                if sends {
-                    self.comm.send(&self.be, chunk, Direction::Backward, model.input_grad());
-                }
-                self.free[chunk].push(model);
-            }
-            (Action::Weight { .. }, Pass::Train { grads, .. }) => {
-                let work = take_entry(&mut self.deferred, (chunk, micro));
-                // The blocks' gradients of the micro-batch are complete only now.
-                grads.begin_micro_step(micro + 1 == self.micro_batches);
-                work.apply(&self.be, &mut Offset { inner: &mut **grads, offset });
-                self.spare_work.push(work);
-            }
-            (_, Pass::Evaluate) => unreachable!("an evaluation runs forwards only"),
+        let offset = self.chunks[step.chunk].offset;
+        let loss = model.forward_stage(&mut Offset { inner: params, offset }, &tok, step.hooks, step.input);
+        if !self.chunks[step.chunk].head {
+            self.comm.send(&self.be, step.chunk, Direction::Forward, model.stage_output());
         }
-        self.received = input;
+        if training {
+            self.busy.push(((step.chunk, step.micro), model));
+        } else {
+            params.end_micro_step();
+            self.free[step.chunk].push(model);
+        }
         loss
+    }
+
+    /// A chunk's backward of a micro-batch (under zero bubble only its input gradient, the
+    /// weight gradient's operands kept), the gradient w.r.t. its input sent back where a stage
+    /// precedes.
+    fn backward(&mut self, step: Step<'_, '_, B>, params: &mut FsdpParams<'g, B>, grads: &mut FsdpGrads<'g, B>, loss_scale: f32) {
+        let (chunk, micro) = (step.chunk, step.micro);
+        let offset = self.chunks[chunk].offset;
+        let mut model = take_entry(&mut self.busy, (chunk, micro));
+        params.begin_backward();
+        // Each chunk's last backward completes its units' gradients for the step.
+        grads.begin_micro_step(micro + 1 == self.micro_batches);
+        let (mut w, mut g) = (Offset { inner: &mut *params, offset }, Offset { inner: grads, offset });
+        if self.split_backward {
+            let mut work = self.spare_work.pop().unwrap_or_default();
+            model.backward_input_stage(&mut w, &mut g, loss_scale, step.hooks, step.input, &mut work);
+            self.deferred.push(((chunk, micro), work));
+        } else {
+            model.backward_stage(&mut w, &mut g, loss_scale, step.hooks, step.input);
+        }
+        params.end_micro_step();
+        if !self.chunks[chunk].embed {
+            self.comm.send(&self.be, chunk, Direction::Backward, model.input_grad());
+        }
+        self.free[chunk].push(model);
     }
 
     fn take_model(&mut self, chunk: usize) -> Model<f32, B> {

@@ -2,14 +2,14 @@
 //! where the library says it supports them (`parallel::comm::cuda_aware`). MPI does not order
 //! its transfers against the GPU's stream, so each collective waits for the device first; each
 //! is blocking (a "started" one has completed when it returns). A group of one copies. Bytes
-//! are counted by the group as on the host.
+//! are counted by the group as on the host. A failed device call is recorded on the backend,
+//! which reports it when the step synchronises.
 
-use super::backend::{ok, DevBuf, GpuBackend};
+use super::{Collective, Finished, MeshCollectives};
+use crate::backend::cuda::backend::{DevBuf, GpuBackend};
 use crate::backend::Backend;
-use crate::parallel::collective::{Collective, Finished, MeshCollectives};
 use crate::parallel::comm::{Group, RawCollective, Ticket};
 use crate::parallel::mesh::Mesh;
-use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ops::Range;
 
 /// One mesh group's collectives over a CUDA-aware MPI.
@@ -25,22 +25,20 @@ impl<'g> CudaAwareGroup<'g> {
         CudaAwareGroup { group, be: be.clone(), finished: Finished::default() }
     }
 
-    /// `op` from the elements `from` of `send` into `recv` (the device's work on both finished
-    /// first).
+    /// `op` from the elements `from` of `send` into `recv`, `count` elements as
+    /// [`Group::raw_collective`] counts them.
     fn run(&self, op: RawCollective, send: &DevBuf<f32>, from: Range<usize>, recv: &mut DevBuf<f32>, count: usize) {
         if from.is_empty() {
             return;
         }
-        ok("synchronize before MPI", self.be.synchronize());
-        let stream = self.be.gpu().stream.clone();
-        let view = send.get().slice(from);
-        let (s, _s_sync) = view.device_ptr(&stream);
-        let (r, _r_sync) = recv.get_mut().device_ptr_mut(&stream);
-        // SAFETY: both pointers are device allocations of this rank's GPU, sized for the
-        // collective by the callers below (the shapes `Collective` documents), distinct
-        // buffers, and the device has finished writing `send` (synchronised above); the MPI
-        // library said it accepts device memory.
-        unsafe { self.group.raw_collective(op, s as *const f32, r as *mut f32, count) };
+        let group = self.group;
+        self.be.run("CUDA-aware MPI collective", || {
+            // SAFETY: both addresses are device allocations of this rank's GPU, sized for the
+            // collective by the callers below (the shapes `Collective` documents), distinct
+            // buffers; the device has finished writing `send`, and the MPI library said it
+            // accepts device memory. The collective is done with them when it returns.
+            unsafe { self.be.with_device_addresses(send, from, recv, |s, r| group.raw_collective(op, s, r, count)) }
+        });
     }
 
     /// A device copy of `buf` (MPI has no portable in-place reduction here).

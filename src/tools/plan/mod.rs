@@ -9,8 +9,11 @@
 //! orders them by a simple cost model over the `[hardware]` table (`docs/planning.md`).
 //! Knows nothing of MPI or training.
 
+mod text;
+
+pub use text::{describe, describe_ranking};
+
 use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, PpSchedule, Resolved};
-use crate::metrics::fmt_bytes;
 use crate::model::params::Dims;
 use crate::model::{ActivationMemory, Model};
 use crate::parallel::fsdp::memory::{predicted_comm_bytes as fsdp_bytes, predicted_memory, StateMemory};
@@ -352,193 +355,49 @@ pub fn rank_layouts(deck: &Deck, world: usize, hw: &HardwareCfg, peak_flops: f64
     (out, refused)
 }
 
-fn mib(b: usize) -> String {
-    format!("{:.1}", b as f64 / 1048576.0)
-}
-
-/// The report `ndtrain plan` prints for one layout.
-pub fn describe(p: &RankPlan, res: &Resolved, hw: &HardwareCfg) -> String {
-    use std::fmt::Write;
-    let mut s = String::new();
-    let l = &p.layout;
-    let ckpt = res.deck.train.activation_checkpointing;
-    let _ = writeln!(
-        s,
-        "effective batch: {} sequences × seq_len {} = {} tokens per step (grad_accum {}); peak LR {:e}",
-        p.global_batch, res.deck.train.seq_len, p.tokens_per_step, p.grad_accum, p.lr
-    );
-    let _ = writeln!(s, "FLOPs per step: {:.4e} in all, {:.4e} per rank", p.flops_per_step, p.flops_per_rank);
-    // On a GPU every buffer below lives in the device's memory (host memory holds only what a
-    // staged collective copies through).
-    let place = match res.deck.run.device {
-        crate::config::Device::Cpu => "memory",
-        crate::config::Device::Cuda => "device memory",
-    };
-    if l.pp > 1 {
-        let (pp, m) = (l.pp, p.grad_accum);
-        let v = res.stage_layers.len() / pp;
-        let _ = writeln!(
-            s,
-            "pipeline: schedule \"{}\", the first stage holds {:?} micro-batch(es) per chunk at once; bubble (idle fraction of a step) \
-             {:.1}% — gpipe and 1f1b {:.1}%, interleaved with 2 chunks {:.1}%, zero_bubble {:.1}%",
-            res.deck.parallel.pp_schedule.name(),
-            p.in_flight,
-            100.0 * p.bubble,
-            100.0 * bubble_fraction(PpSchedule::OneFOneB, pp, 1, m),
-            100.0 * bubble_fraction(PpSchedule::Interleaved, pp, v.max(2), m),
-            100.0 * bubble_fraction(PpSchedule::ZeroBubble, pp, 1, m)
-        );
+/// `ndtrain plan`: the deck `deck_path` (with `--set` overrides) for `ranks` ranks — the
+/// report of its layout, or with `all_layouts` every valid layout of the world ranked — as the
+/// text to print. An error is bad input (the deck, or no valid layout).
+pub fn command(
+    deck_path: &std::path::Path,
+    ranks: usize,
+    ranks_per_node: Option<usize>,
+    all_layouts: bool,
+    set: &[String],
+) -> Result<String, String> {
+    let parsed = Deck::from_file(deck_path, set).map_err(|e| e.to_string())?;
+    let mut hw = parsed.hardware.clone();
+    if let Some(r) = ranks_per_node {
+        hw.ranks_per_node = r.max(1);
     }
-    let stage = if l.pp > 1 { format!("pp={} (first stage) ", l.pp) } else { String::new() };
-    let _ = writeln!(
-        s,
-        "\n{place} per rank (rank 0 of {stage}dp_replicate={} dp_shard={} cp={} tp={}), MiB:",
-        l.dp_replicate, l.dp_shard, l.cp, l.tp
-    );
-    let st = &p.state;
-    let a = &p.activations;
-    for (name, b) in [
-        ("parameters (shard)", st.params),
-        ("gradients (shard)", st.grads),
-        ("AdamW moments", st.optim),
-        ("gathered parameters (peak)", st.gathered_peak),
-        ("gradient scratch", st.grad_scratch),
-        ("activations held for backward", a.saved + a.recompute + a.head),
-        ("logits", a.logits),
-        ("backward buffers", a.backward),
-        ("weight-gradient operands (zb)", a.deferred),
-    ]
-    .into_iter()
-    .filter(|&(name, b)| b > 0 || !name.ends_with("(zb)"))
-    {
-        let _ = writeln!(s, "  {name:<32} {:>12}", mib(b));
-    }
-    let _ = writeln!(s, "  {:<32} {:>12}", "peak (predicted)", mib(p.peak_bytes()));
-    let _ = writeln!(
-        s,
-        "  activations + logits + backward by activation_checkpointing: none {} MiB, selective {} MiB, full {} MiB (deck: {})",
-        mib(p.activations_none.total()),
-        mib(p.activations_selective.total()),
-        mib(p.activations_full.total()),
-        ckpt.name()
-    );
-    if !p.stages.is_empty() {
-        let _ = writeln!(s, "\n{place} of rank 0 of each pipeline stage, MiB:");
-        let _ = writeln!(
-            s,
-            "  {:>5} {:>12} {:>10} {:>9} {:>12} {:>12} {:>12}",
-            "stage", "blocks", "ends", "in flight", "model state", "activations", "peak"
-        );
-        for st in &p.stages {
-            let blocks: Vec<String> = st.blocks.iter().map(|b| format!("{}-{}", b[0], b[b.len() - 1])).collect();
-            let ends = match (st.embed, st.head) {
-                (true, true) => "embed+head",
-                (true, false) => "embed",
-                (false, true) => "head",
-                (false, false) => "",
-            };
-            let in_flight: Vec<String> = st.in_flight.iter().map(|k| k.to_string()).collect();
-            let _ = writeln!(
-                s,
-                "  {:>5} {:>12} {:>10} {:>9} {:>12} {:>12} {:>12}",
-                st.stage,
-                blocks.join(","),
-                ends,
-                in_flight.join(","),
-                mib(st.state.total()),
-                mib(st.activations.total()),
-                mib(st.peak_bytes())
-            );
+    let peak = if hw.peak_flops_per_rank > 0.0 { hw.peak_flops_per_rank } else { crate::backend::cpu::probe::gemm_flops() };
+    if all_layouts {
+        parsed.validate().map_err(|e| e.to_string())?;
+        let (ranked, refused) = rank_layouts(&parsed, ranks, &hw, peak);
+        if ranked.is_empty() {
+            return Err(format!("no layout of {ranks} ranks is valid for deck {} ({refused} refused)", deck_path.display()));
         }
-        let worst = p.stages.iter().max_by_key(|st| st.peak_bytes()).expect("pp > 1 stages");
-        let _ = writeln!(s, "  largest peak: stage {}, {} MiB", worst.stage, mib(worst.peak_bytes()));
+        return Ok(describe_ranking(&ranked, refused, &hw, peak));
     }
-    if hw.memory_per_rank > 0.0 {
-        let fits = p.max_peak_bytes() as f64 <= hw.memory_per_rank;
-        let _ = writeln!(
-            s,
-            "  {} [hardware] memory_per_rank = {}",
-            if fits { "fits in" } else { "DOES NOT FIT in" },
-            fmt_bytes(hw.memory_per_rank)
-        );
+    let res = parsed.resolve(ranks).map_err(|e| e.to_string())?;
+    let n = crate::model::params::param_specs(&res.deck.model).iter().map(|s| s.numel()).sum::<usize>();
+    let mut out = format!("deck {} is valid for {ranks} ranks\n", deck_path.display());
+    for line in &res.summary {
+        out += &format!("{line}\n");
     }
-    let _ = writeln!(s, "\ncommunication per rank per step:");
-    if p.comm.values().all(|&b| b == 0) {
-        let _ = writeln!(s, "  none (one rank)");
-    }
-    for (k, &b) in p.comm.iter().filter(|(_, &b)| b > 0) {
-        let _ = writeln!(s, "  {k:<22} {b:>16} bytes  ({})", fmt_bytes(b as f64));
-    }
-    s
-}
-
-/// The ranked table `ndtrain plan --all-layouts` prints.
-pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &HardwareCfg, peak_flops: f64) -> String {
-    use std::fmt::Write;
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{} valid layouts ({refused} factorisations refused by the deck); cost model: peak {:.3e} FLOP/s per rank, {} ranks per node, \
-         intra-node {:.3e} B/s + {:.1e} s, inter-node {:.3e} B/s + {:.1e} s per message, no overlap",
-        ranked.len(),
-        peak_flops,
-        hw.ranks_per_node,
-        hw.intra_node_bandwidth,
-        hw.intra_node_latency,
-        hw.inter_node_bandwidth,
-        hw.inter_node_latency
+    let bytes = |b: usize| crate::metrics::fmt_bytes(b as f64);
+    out += &format!("parameters: {n} ({} in f32; with gradients and AdamW moments {})\n", bytes(n * 4), bytes(n * 16));
+    let p = plan(&res);
+    out += &describe(&p, &res, &hw);
+    let c = cost(&p, &res.deck, &hw, peak);
+    out += &format!(
+        "\ncost model: {:.3} s compute + {:.3} s communication = {:.3} s per step, {:.0} tokens/s (peak {:.3e} FLOP/s per rank{})\n",
+        c.compute_s,
+        c.step_s - c.compute_s,
+        c.step_s,
+        c.tokens_per_s,
+        peak,
+        if hw.peak_flops_per_rank > 0.0 { ", [hardware]" } else { ", measured here by the GEMM probe" }
     );
-    let _ = writeln!(
-        s,
-        "\n{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>13}  note",
-        "rank",
-        "pp",
-        "dp_rep",
-        "dp_sh",
-        "cp",
-        "tp",
-        "accum",
-        "mem/rank",
-        "compute s",
-        "fsdp s",
-        "tp s",
-        "cp s",
-        "pp s",
-        "dp s",
-        "bubble",
-        "tokens/s"
-    );
-    for (i, (p, c)) in ranked.iter().enumerate() {
-        let l = &p.layout;
-        let g = |k: &str| c.comm_s.get(k).copied().unwrap_or(0.0);
-        let mut note = vec![];
-        if c.fits == Some(false) {
-            note.push("does not fit");
-        }
-        if !c.tp_in_node {
-            note.push("tp spans nodes");
-        }
-        let _ = writeln!(
-            s,
-            "{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>6.1}% {:>13.0}  {}",
-            i + 1,
-            l.pp,
-            l.dp_replicate,
-            l.dp_shard,
-            l.cp,
-            l.tp,
-            p.grad_accum,
-            fmt_bytes(p.max_peak_bytes() as f64),
-            c.compute_s,
-            g("fsdp"),
-            g("tp"),
-            g("cp"),
-            g("pp"),
-            g("dp_rep") + g("batch"),
-            100.0 * c.bubble,
-            c.tokens_per_s,
-            note.join(", ")
-        );
-    }
-    s
+    Ok(out)
 }

@@ -1,16 +1,17 @@
-//! `ndtrain gpu-check`: every operation of the backend boundary on the GPU against the host
-//! backend (`backend::cpu::Cpu` and its kernels) on the same inputs, a whole forward and
-//! backward of a small model on both (one rank's hooks), and an NCCL all-reduce per group, each
-//! with a named tolerance.
+//! The checks of `ndtrain gpu-check`: every operation of the backend boundary on the GPU
+//! against the host backend (`backend::cpu::Cpu` and its kernels) on the same inputs, a whole
+//! forward and backward of a small model on both (one rank's hooks), and an NCCL all-reduce per
+//! group, each with a named tolerance.
 
-use super::backend::{DevBuf, GpuBackend};
 use crate::backend::cpu::Cpu;
+use crate::backend::cuda::backend::{DevBuf, GpuBackend};
 use crate::backend::{AdamStep, AttnDims, Backend, Precision};
 use crate::config::{ActCkpt, ModelCfg};
 use crate::model::hooks::Hooks;
 use crate::model::params::{Dims, ModelParams};
 use crate::model::positions::rope_tables;
 use crate::model::{Model, Tokens};
+use crate::parallel::collective::nccl::NcclGroup;
 use crate::parallel::collective::Collective;
 use crate::parallel::comm::Group;
 use crate::parallel::cp::zigzag_positions;
@@ -429,8 +430,8 @@ impl Pair {
 /// `r + 1 + i/n`; the result must be `Σ_r (r + 1) + size·i/n` exactly (small integers and the
 /// same fraction on every rank).
 pub fn check_nccl(be: &GpuBackend, group: &Group) -> Result<Check, String> {
-    let stream = be.gpu().stream.fork().map_err(|e| format!("creating a communication stream: {e:?}"))?;
-    let nccl = super::nccl::NcclGroup::new(be, group, &stream)?;
+    let stream = std::rc::Rc::new(be.comm_stream()?);
+    let nccl = NcclGroup::new(be, group, &stream)?;
     let n = 1 << 20;
     let mine: Vec<f32> = (0..n).map(|i| (group.rank() + 1) as f32 + (i % 8) as f32 / 8.0).collect();
     let mut send = be.zeros(n);
@@ -448,42 +449,22 @@ pub fn check_nccl(be: &GpuBackend, group: &Group) -> Result<Check, String> {
     Ok(Check { what, rel_err: rel_err(&got, &want), tol: 0.0 })
 }
 
-/// `gpu-check --layout R,S,C,T`: the mesh degrees `dp_replicate,dp_shard,cp,tp`, whose product
-/// must be the number of ranks.
-pub fn parse_layout(text: &str, ranks: usize) -> Result<crate::config::Layout, String> {
-    let degrees: Vec<usize> = text
-        .split(',')
-        .map(|x| x.trim().parse::<usize>().ok().filter(|&d| d >= 1))
-        .collect::<Option<_>>()
-        .filter(|d: &Vec<usize>| d.len() == 4)
-        .ok_or_else(|| format!("--layout {text:?}: expected four degrees ≥ 1, dp_replicate,dp_shard,cp,tp (e.g. 1,2,1,4)"))?;
-    let layout = crate::config::Layout { pp: 1, dp_replicate: degrees[0], dp_shard: degrees[1], cp: degrees[2], tp: degrees[3] };
-    // Checked without overflow: a product beyond usize is simply not the number of ranks.
-    let product = degrees.iter().try_fold(1usize, |p, &d| p.checked_mul(d));
-    if product != Some(ranks) {
-        return Err(format!(
-            "--layout {text}: dp_replicate·dp_shard·cp·tp must equal the {ranks} rank(s) of the job, not {}",
-            degrees.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("·")
-        ));
-    }
-    Ok(layout)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Where there is no GPU (CI), opening one is an error that names what is missing, not a
+    /// panic; where there is one, it opens and every backend operation matches the host's.
     #[test]
-    fn a_layout_must_have_four_degrees_whose_product_is_the_ranks() {
-        let l = parse_layout("1, 2,1,4", 8).unwrap();
-        assert_eq!((l.dp_replicate, l.dp_shard, l.cp, l.tp), (1, 2, 1, 4));
-        for (bad, want) in
-            [("1,2,1", "four degrees"), ("1,2,0,4", "four degrees"), ("a,2,1,4", "four degrees"), ("2,2,1,4", "equal the 8 rank(s)")]
-        {
-            let e = parse_layout(bad, 8).unwrap_err();
-            assert!(e.contains(want), "{bad}: {e}");
+    fn opening_a_gpu_works_or_says_what_is_missing() {
+        match GpuBackend::open(0, Precision::Fp32) {
+            Ok(gpu) => {
+                for c in check_backend(&gpu) {
+                    assert!(c.ok(), "{}: relative error {:e} > {:e}", c.what, c.rel_err, c.tol);
+                }
+            }
+            Err(e) => assert!(e.contains("cannot load") || e.contains("no GPU"), "{e}"),
         }
-        assert!(parse_layout("18446744073709551615,2,1,1", 8).unwrap_err().contains("equal the 8"));
     }
 
     #[test]
