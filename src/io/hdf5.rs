@@ -9,14 +9,16 @@
 //!   prepare`), all with serial (non-MPI) file access, which works from any rank;
 //! * checkpoint files ([`H5File`]): created or opened by every rank of a communicator with the
 //!   MPI-IO driver (parallel HDF5), or by one process alone for the `ckpt` tools; 2-D/1-D `f32`
-//!   datasets read and written by rectangular block with a **collective** transfer (the
-//!   crate's own `write_slice` is independent I/O, so the block transfer calls `hdf5-sys`),
-//!   scalar and string attributes.
+//!   datasets read and written by rectangular block (hyperslab) with a **collective** transfer
+//!   (the crate's own `write_slice` is independent I/O, so the block transfer calls
+//!   `hdf5-sys`), scalar and string attributes. A block is an `ndarray` view whose shape is
+//!   the hyperslab's count, or a flat row-major slice with the count beside it.
 //!
 //! It does not own what the tokens mean (`data`) nor what a checkpoint holds (`checkpoint`);
 //! the communicator of a parallel file comes from `parallel::comm` as a raw handle.
 
 use crate::parallel::comm::RawComm;
+use ndarray::{ArrayView, ArrayViewMut, Dimension, IxDyn};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -373,20 +375,70 @@ impl H5Dataset {
         self.ds.offset()
     }
 
-    /// Writes `data` (row-major, `count` elements) to the block starting at `start`. On a
+    /// Writes `block` to the hyperslab starting at `start` whose count is the block's shape.
+    /// The view must be in standard (row-major, contiguous) layout, since its memory goes to
+    /// HDF5 as one contiguous buffer; another layout is an error, not a silent copy. On a
     /// parallel file every rank calls it (collective transfer); a rank with nothing to write
-    /// passes an empty `count` product and selects nothing.
+    /// passes an empty view (a zero in its shape) and selects nothing.
+    pub fn write_slab<D: Dimension>(&self, start: &[usize], block: ArrayView<'_, f32, D>) -> Result<IoMode, Hdf5Error> {
+        self.check_layout(start, block.shape(), block.is_standard_layout(), true)?;
+        // Writing only reads through the pointer; `transfer` takes one pointer type for both ways.
+        self.transfer(start, block.shape(), block.as_ptr() as *mut f32, true)
+    }
+
+    /// Reads the hyperslab starting at `start` whose count is `out`'s shape into `out`, which
+    /// must be in standard layout; collective on a parallel file, where every rank calls it.
+    pub fn read_slab<D: Dimension>(&self, start: &[usize], mut out: ArrayViewMut<'_, f32, D>) -> Result<IoMode, Hdf5Error> {
+        self.check_layout(start, out.shape(), out.is_standard_layout(), false)?;
+        let count = out.shape().to_vec();
+        self.transfer(start, &count, out.as_mut_ptr(), false)
+    }
+
+    /// [`write_slab`](Self::write_slab) of `data` read as a row-major block of shape `count`:
+    /// for callers that hold a shard as a flat slice (the checkpoint's save path).
     pub fn write_block(&self, start: &[usize], count: &[usize], data: &[f32]) -> Result<IoMode, Hdf5Error> {
-        self.transfer(start, count, data.as_ptr() as *mut f32, data.len(), true)
+        let mismatch = || self.buffer_mismatch(start, count, data.len(), true);
+        // `from_shape` accepts a longer slice; the block must be all of it.
+        if data.len() != count.iter().product::<usize>() {
+            return Err(mismatch());
+        }
+        self.write_slab(start, ArrayView::from_shape(IxDyn(count), data).map_err(|_| mismatch())?)
     }
 
-    /// Reads the block at `start` of `count` elements into `out` (row-major); collective on a
-    /// parallel file, where every rank calls it.
+    /// [`read_slab`](Self::read_slab) into `out` seen as a row-major block of shape `count`
+    /// (the checkpoint's load path, which fills flat shards).
     pub fn read_block(&self, start: &[usize], count: &[usize], out: &mut [f32]) -> Result<IoMode, Hdf5Error> {
-        self.transfer(start, count, out.as_mut_ptr(), out.len(), false)
+        let len = out.len();
+        let mismatch = || self.buffer_mismatch(start, count, len, false);
+        if len != count.iter().product::<usize>() {
+            return Err(mismatch());
+        }
+        self.read_slab(start, ArrayViewMut::from_shape(IxDyn(count), out).map_err(|_| mismatch())?)
     }
 
-    fn transfer(&self, start: &[usize], count: &[usize], buf: *mut f32, len: usize, write: bool) -> Result<IoMode, Hdf5Error> {
+    fn buffer_mismatch(&self, start: &[usize], count: &[usize], len: usize, write: bool) -> Hdf5Error {
+        let n: usize = count.iter().product();
+        Hdf5Error(format!(
+            "{}: {} block start {start:?} count {count:?} ({n} elements) with a buffer of {len}",
+            self.at,
+            if write { "writing" } else { "reading" }
+        ))
+    }
+
+    fn check_layout(&self, start: &[usize], count: &[usize], standard: bool, write: bool) -> Result<(), Hdf5Error> {
+        if standard {
+            return Ok(());
+        }
+        Err(Hdf5Error(format!(
+            "{}: {} block start {start:?} count {count:?}: the array view is not in standard (row-major, contiguous) layout",
+            self.at,
+            if write { "writing" } else { "reading" }
+        )))
+    }
+
+    /// Moves the block at `start` of shape `count` between the dataset and `buf`, which holds
+    /// its `count` product of elements contiguously, row-major.
+    fn transfer(&self, start: &[usize], count: &[usize], buf: *mut f32, write: bool) -> Result<IoMode, Hdf5Error> {
         use hdf5_sys::h5d::{H5D_mpio_actual_io_mode_t, H5Dget_space, H5Dread, H5Dwrite};
         use hdf5_sys::h5i::hid_t;
         use hdf5_sys::h5p::{H5FD_mpio_xfer_t, H5Pclose, H5Pcreate, H5Pset_dxpl_mpio, H5P_CLS_DATASET_XFER};
@@ -394,18 +446,15 @@ impl H5Dataset {
         let n: usize = count.iter().product();
         let what = if write { "writing" } else { "reading" };
         let fail = |step: &str| Hdf5Error(format!("{}: {what} block start {start:?} count {count:?}: {step} failed", self.at));
-        if n != len || start.len() != count.len() || count.len() != self.ds.ndim() {
-            return Err(Hdf5Error(format!(
-                "{}: {what} block start {start:?} count {count:?} ({n} elements) with a buffer of {len} into a {}-D dataset",
-                self.at,
-                self.ds.ndim()
-            )));
+        if start.len() != count.len() || count.len() != self.ds.ndim() {
+            return Err(Hdf5Error(format!("{}: {what} block start {start:?} count {count:?} of a {}-D dataset", self.at, self.ds.ndim())));
         }
         let dummy = [0.0f32];
         let ptr = if n == 0 { dummy.as_ptr() as *mut f32 } else { buf };
         hdf5::sync::sync(|| {
             // SAFETY: every id created here is closed before returning; `ptr` points at `n`
-            // valid f32 (or at `dummy` when the selection is empty and nothing is touched).
+            // contiguous f32 (the callers pass standard-layout views of shape `count`), or at
+            // `dummy` when the selection is empty and nothing is touched.
             unsafe {
                 let fspace = H5Dget_space(self.ds.id());
                 if fspace < 0 {
@@ -499,6 +548,48 @@ mod tests {
         assert!(e.0.contains("integers"), "{e}");
         let e = TokenDataset::open(&path, "missing").err().unwrap();
         assert!(e.0.contains("'missing'") && e.0.contains("u8"), "{e}");
+    }
+
+    /// A writable `f32` dataset in a serial file (the parallel constructors need an MPI job).
+    fn scratch_dataset(path: &Path, shape: &[usize]) -> (hdf5::File, H5Dataset) {
+        let file = hdf5::File::create(path).unwrap();
+        let ds = file.new_dataset::<f32>().shape(shape).create("w").unwrap();
+        (file, H5Dataset { ds, at: format!("{}:/w", path.display()), parallel: false })
+    }
+
+    #[test]
+    fn slabs_move_as_array_views_of_their_count() {
+        use ndarray::{array, s, Array1, Array2};
+        let dir = tempfile::tempdir().unwrap();
+        let (_file, ds) = scratch_dataset(&dir.path().join("c.h5"), &[4, 3]);
+        let whole = Array2::from_shape_fn((4, 3), |(r, c)| (r * 3 + c) as f32);
+        assert_eq!(ds.write_slab(&[0, 0], whole.view()).unwrap(), IoMode::Independent);
+        let patch = array![[-1.0f32, -2.0], [-3.0, -4.0]];
+        ds.write_slab(&[1, 1], patch.view()).unwrap();
+        let mut want = whole.clone();
+        want.slice_mut(s![1..3, 1..3]).assign(&patch);
+        let mut back = Array2::<f32>::zeros((4, 3));
+        ds.read_slab(&[0, 0], back.view_mut()).unwrap();
+        assert_eq!(back, want);
+        // The flat form reads the same rows, row-major.
+        let mut rows = vec![0.0; 6];
+        ds.read_block(&[2, 0], &[2, 3], &mut rows).unwrap();
+        assert_eq!(rows, want.slice(s![2..4, ..]).iter().copied().collect::<Vec<_>>());
+        // A rank with nothing to write selects nothing.
+        ds.write_slab(&[0, 0], Array2::<f32>::zeros((0, 3)).view()).unwrap();
+        ds.write_block(&[0, 0], &[0, 0], &[]).unwrap();
+
+        let e = ds.write_slab(&[0, 0], whole.slice(s![0..3, ..]).t()).unwrap_err();
+        assert!(e.0.contains("not in standard") && e.0.contains("c.h5:/w"), "{e}");
+        let mut t = Array2::<f32>::zeros((3, 3));
+        let e = ds.read_slab(&[0, 0], t.view_mut().reversed_axes()).unwrap_err();
+        assert!(e.0.contains("reading") && e.0.contains("not in standard"), "{e}");
+        let e = ds.write_block(&[0, 0], &[2, 3], &[0.0; 5]).unwrap_err();
+        assert!(e.0.contains("(6 elements) with a buffer of 5"), "{e}");
+        let e = ds.read_slab(&[0], Array1::<f32>::zeros(3).view_mut()).unwrap_err();
+        assert!(e.0.contains("2-D dataset"), "{e}");
+        ds.read_slab(&[0, 0], back.view_mut()).unwrap();
+        assert_eq!(back, want, "the refused calls wrote nothing");
     }
 
     #[test]

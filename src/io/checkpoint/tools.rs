@@ -5,6 +5,7 @@
 use super::blocks::{block_checksum, ShardBlock};
 use super::{LoadError, Reader, KINDS};
 use crate::model::params::param_specs;
+use ndarray::{ArrayD, ArrayViewD, ArrayViewMut, IxDyn};
 use std::path::Path;
 
 /// Elements read per chunk while verifying (64 MiB of f32).
@@ -18,11 +19,53 @@ pub struct TensorReport {
     pub shape: Vec<usize>,
     pub stored: u64,
     pub computed: u64,
+    pub stats: TensorStats,
 }
 
 impl TensorReport {
     pub fn ok(&self) -> bool {
         self.stored == self.computed
+    }
+}
+
+/// A tensor's values summarised: `min`/`max` skip NaNs, while a NaN or an infinity anywhere
+/// shows in `mean` and `rms` (so a damaged tensor stands out). An empty tensor has NaNs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TensorStats {
+    pub min: f32,
+    pub max: f32,
+    pub mean: f64,
+    pub rms: f64,
+}
+
+/// The sums behind [`TensorStats`], gathered one chunk of rows at a time.
+struct StatsAccum {
+    min: f32,
+    max: f32,
+    sum: f64,
+    sum_sq: f64,
+    n: usize,
+}
+
+impl StatsAccum {
+    fn new() -> StatsAccum {
+        StatsAccum { min: f32::INFINITY, max: f32::NEG_INFINITY, sum: 0.0, sum_sq: 0.0, n: 0 }
+    }
+
+    fn add(&mut self, chunk: ArrayViewD<'_, f32>) {
+        let (min, max, sum, sum_sq) = chunk.fold((self.min, self.max, self.sum, self.sum_sq), |(lo, hi, s, q), &x| {
+            let v = x as f64;
+            (lo.min(x), hi.max(x), s + v, q + v * v)
+        });
+        *self = StatsAccum { min, max, sum, sum_sq, n: self.n + chunk.len() };
+    }
+
+    fn finish(&self) -> TensorStats {
+        if self.n == 0 {
+            return TensorStats { min: f32::NAN, max: f32::NAN, mean: f64::NAN, rms: f64::NAN };
+        }
+        let n = self.n as f64;
+        TensorStats { min: self.min, max: self.max, mean: self.sum / n, rms: (self.sum_sq / n).sqrt() }
     }
 }
 
@@ -42,20 +85,27 @@ pub fn verify_tensors(r: &Reader) -> Result<Vec<TensorReport>, LoadError> {
                 return Err(corrupt(format!("shape {shape:?}, the checkpoint's model has {:?}", spec.shape)));
             }
             let stored = ds.attr_u64("checksum").map_err(|e| corrupt(e.to_string()))?;
-            let cols = shape.get(1).copied().unwrap_or(1);
-            let rows_per_chunk = (VERIFY_CHUNK_ELEMS / cols).max(1);
+            // A chunk is a run of whole rows: the dataset's shape with fewer rows.
+            let cols: usize = shape[1..].iter().product();
+            let rows_per_chunk = (VERIFY_CHUNK_ELEMS / cols.max(1)).max(1);
             let mut computed = 0u64;
+            let mut stats = StatsAccum::new();
             let mut r0 = 0;
             while r0 < shape[0] {
                 let rows = rows_per_chunk.min(shape[0] - r0);
-                let (start, count) = if shape.len() == 1 { (vec![r0], vec![rows]) } else { (vec![r0, 0], vec![rows, cols]) };
+                let mut start = vec![0; shape.len()];
+                start[0] = r0;
+                let mut count = shape.clone();
+                count[0] = rows;
                 buf.resize(rows * cols, 0.0);
-                ds.read_block(&start, &count, &mut buf).map_err(|e| corrupt(e.to_string()))?;
+                let mut chunk = ArrayViewMut::from_shape(IxDyn(&count), &mut buf[..]).expect("the buffer holds the chunk");
+                ds.read_slab(&start, chunk.view_mut()).map_err(|e| corrupt(e.to_string()))?;
+                stats.add(chunk.view());
                 let block = ShardBlock { name: spec.name.clone(), global_shape: shape.clone(), start, count, primary: true };
                 computed = computed.wrapping_add(block_checksum(&path, &block, &buf));
                 r0 += rows;
             }
-            out.push(TensorReport { path, shape, stored, computed });
+            out.push(TensorReport { path, shape, stored, computed, stats: stats.finish() });
         }
     }
     Ok(out)
@@ -75,7 +125,8 @@ pub fn verify(path: &Path) -> Result<usize, LoadError> {
     }
 }
 
-/// `ckpt inspect`: the metadata, every tensor with shape and checksum, and whether it verifies.
+/// `ckpt inspect`: the metadata, every tensor with its shape, checksum, value statistics and
+/// whether it verifies.
 pub fn inspect(path: &Path) -> Result<String, LoadError> {
     use std::fmt::Write;
     let r = Reader::open_serial(path)?;
@@ -97,11 +148,20 @@ pub fn inspect(path: &Path) -> Result<String, LoadError> {
         c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.tie_embeddings
     );
     let tensors = verify_tensors(&r)?;
-    let _ = writeln!(s, "\n{:<60} {:>16} {:>20}  status", "tensor", "shape", "checksum");
+    let _ = writeln!(
+        s,
+        "\n{:<60} {:>16} {:>20} {:>10} {:>10} {:>10} {:>10}  status",
+        "tensor", "shape", "checksum", "min", "max", "mean", "rms"
+    );
     for t in &tensors {
         let shape = t.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("×");
         let status = if t.ok() { "ok".to_string() } else { format!("CORRUPT (read {:#018x})", t.computed) };
-        let _ = writeln!(s, "{:<60} {:>16} {:>#20x}  {status}", t.path, shape, t.stored);
+        let st = &t.stats;
+        let _ = writeln!(
+            s,
+            "{:<60} {:>16} {:>#20x} {:>10.3e} {:>10.3e} {:>10.3e} {:>10.3e}  {status}",
+            t.path, shape, t.stored, st.min, st.max, st.mean, st.rms
+        );
     }
     let bad = tensors.iter().filter(|t| !t.ok()).count();
     let total: usize = tensors.iter().map(|t| t.shape.iter().product::<usize>()).sum();
@@ -127,7 +187,8 @@ pub fn export_hf(path: &Path, dir: &Path) -> Result<(), String> {
         let ds = r.file().dataset(&ds_path).map_err(|e| fail(e.to_string()))?;
         let start = vec![0; spec.shape.len()];
         buf.resize(spec.numel(), 0.0);
-        ds.read_block(&start, &spec.shape, buf).map_err(|e| fail(e.to_string()))?;
+        let tensor = ArrayViewMut::from_shape(IxDyn(&spec.shape), &mut buf[..]).expect("the buffer holds the tensor");
+        ds.read_slab(&start, tensor).map_err(|e| fail(e.to_string()))?;
         let block =
             ShardBlock { name: spec.name.clone(), global_shape: spec.shape.clone(), start, count: spec.shape.clone(), primary: true };
         let stored = ds.attr_u64("checksum").map_err(|e| fail(e.to_string()))?;
@@ -139,14 +200,24 @@ pub fn export_hf(path: &Path, dir: &Path) -> Result<(), String> {
     .map_err(|e| e.to_string())
 }
 
-/// A whole dataset of a checkpoint, e.g. `model/model.norm.weight` (tests, small tensors).
-pub fn read_tensor(path: &Path, dataset: &str) -> Result<(Vec<usize>, Vec<f32>), String> {
+/// A whole dataset of a checkpoint, e.g. `model/model.norm.weight`, as an array of the
+/// dataset's shape (tests, small tensors).
+pub fn read_array(path: &Path, dataset: &str) -> Result<ArrayD<f32>, String> {
     let file = crate::io::hdf5::H5File::open_serial(path).map_err(|e| e.to_string())?;
     let ds = file.dataset(dataset).map_err(|e| e.to_string())?;
-    let shape = ds.shape();
-    let mut out = vec![0.0; shape.iter().product()];
-    ds.read_block(&vec![0; shape.len()], &shape, &mut out).map_err(|e| e.to_string())?;
-    Ok((shape, out))
+    let mut out = ArrayD::zeros(IxDyn(&ds.shape()));
+    ds.read_slab(&vec![0; out.ndim()], out.view_mut()).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+/// [`read_array`] as the shape and the values, row-major.
+pub fn read_tensor(path: &Path, dataset: &str) -> Result<(Vec<usize>, Vec<f32>), String> {
+    let a = read_array(path, dataset)?;
+    let shape = a.shape().to_vec();
+    // A fresh array is in standard layout from the start of its buffer: the buffer is the
+    // values in row-major order.
+    let (values, _) = a.into_raw_vec_and_offset();
+    Ok((shape, values))
 }
 
 /// Every dataset path of a checkpoint (`model/...`, `optim/exp_avg/...`, `optim/exp_avg_sq/...`).
@@ -163,4 +234,23 @@ pub fn dataset_paths(path: &Path) -> Result<Vec<String>, String> {
 pub fn dataset_offset(path: &Path, dataset: &str) -> Result<u64, String> {
     let file = crate::io::hdf5::H5File::open_serial(path).map_err(|e| e.to_string())?;
     file.dataset(dataset).map_err(|e| e.to_string())?.file_offset().ok_or_else(|| format!("{dataset} has no contiguous data"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{array, s};
+
+    #[test]
+    fn statistics_gather_over_chunks_of_rows() {
+        let a = array![[1.0f32, -2.0], [3.0, 4.0], [0.5, f32::NAN]];
+        let mut acc = StatsAccum::new();
+        acc.add(a.slice(s![0..2, ..]).into_dyn());
+        assert_eq!(acc.finish(), TensorStats { min: -2.0, max: 4.0, mean: 1.5, rms: 7.5f64.sqrt() });
+        acc.add(a.slice(s![2..3, ..]).into_dyn());
+        let st = acc.finish();
+        assert_eq!((st.min, st.max), (-2.0, 4.0), "min and max skip the NaN");
+        assert!(st.mean.is_nan() && st.rms.is_nan(), "the NaN shows in the mean and RMS");
+        assert!(StatsAccum::new().finish().mean.is_nan());
+    }
 }

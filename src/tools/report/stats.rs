@@ -1,14 +1,21 @@
 //! The statistics of one run drawn from its logs ([`RunStats`]): median step time, throughput,
 //! final loss and MFU from `metrics.csv`; from the per-rank timing logs, each phase's seconds
 //! per step across ranks (min, mean, max, imbalance), the bytes each collective moved, and the
-//! peak memory, all over the steady steps (the first is left out from three steps on).
+//! peak memory, all over the steady steps (the first is left out from three steps on). A
+//! column of the timing logs over the steady steps is a `[rank, step]` table (`Array2`), reduced
+//! along one axis or the other.
 //!
 //! Reads no files (`read.rs` does) and formats nothing (`tables.rs`, `plots.rs`); comparing
 //! runs with each other is `scaling.rs`.
 
 use super::read::{CsvTable, RunLayout, RunLog};
 use crate::metrics::{median, PHASES};
+use ndarray::{Array1, Array2, ArrayView2, Axis, Zip};
 use std::collections::BTreeMap;
+
+/// The axes of a `[rank, step]` table of one timing column.
+const RANK_AXIS: Axis = Axis(0);
+const STEP_AXIS: Axis = Axis(1);
 
 /// The steady-state part of a run's steps: the first step pays one-time costs (allocations,
 /// page faults, the first communicator use), so it is left out when there are 3 or more.
@@ -20,12 +27,26 @@ fn steady<T>(steps: &[T]) -> &[T] {
     }
 }
 
-fn mean(v: &[f64]) -> f64 {
-    if v.is_empty() {
+fn mean<'a>(v: impl IntoIterator<Item = &'a f64, IntoIter: ExactSizeIterator>) -> f64 {
+    let v = v.into_iter();
+    let n = v.len();
+    if n == 0 {
         f64::NAN
     } else {
-        v.iter().sum::<f64>() / v.len() as f64
+        v.sum::<f64>() / n as f64
     }
+}
+
+/// The sums along `axis`, each adding its terms in index order as [`mean`] does, so a mean
+/// taken from it is the same number to the bit (`sum_axis` may add a contiguous lane in
+/// another order). The start is -0.0, the identity of `+`, as in `Iterator::sum`.
+fn sum_along(table: ArrayView2<'_, f64>, axis: Axis) -> Array1<f64> {
+    table.fold_axis(axis, -0.0, |&acc, &x| acc + x)
+}
+
+/// The means along `axis` (over steps: one per rank; over ranks: one per step).
+fn mean_along(table: ArrayView2<'_, f64>, axis: Axis) -> Array1<f64> {
+    sum_along(table, axis) / table.len_of(axis) as f64
 }
 
 /// One phase's seconds per step across ranks: the mean over steady steps of each step's
@@ -193,27 +214,28 @@ impl TimingStats {
         if phases.is_empty() {
             return Err(format!("{}: none of the phase columns {:?} (as <phase>_s)", first.path.display(), PHASES));
         }
-        // [rank][step in window] for one column.
-        let series = |column: &str| -> Result<Vec<Vec<f64>>, String> {
-            ranks.iter().zip(&rows).map(|(t, rows)| t.column(column).map(|values| rows.iter().map(|&r| values[r]).collect())).collect()
+        // One column as a [rank, step of the window] table.
+        let series = |column: &str| -> Result<Array2<f64>, String> {
+            let values = ranks.iter().map(|t| t.column(column)).collect::<Result<Vec<_>, _>>()?;
+            Ok(Array2::from_shape_fn((ranks.len(), window.len()), |(r, i)| values[r][rows[r][i]]))
         };
         let mut phase_stats = Vec::new();
-        let mut rank_phase_s = vec![Vec::new(); ranks.len()];
+        // [phase][rank]: each rank's mean over the steps.
+        let mut phase_rank_s = Vec::new();
         for phase in &phases {
             let s = series(&format!("{phase}_s"))?;
-            phase_stats.push(phase_across_ranks(phase, &s));
-            for (rank, values) in s.iter().enumerate() {
-                rank_phase_s[rank].push(mean(values));
-            }
+            phase_stats.push(phase_across_ranks(phase, s.view()));
+            phase_rank_s.push(mean_along(s.view(), STEP_AXIS));
         }
+        let rank_phase_s = (0..ranks.len()).map(|r| phase_rank_s.iter().map(|p| p[r]).collect()).collect();
         let rank_step_s = match first.index_of("step_s") {
-            Some(_) => Some(series("step_s")?.iter().map(|v| mean(v)).collect()),
+            Some(_) => Some(mean_along(series("step_s")?.view(), STEP_AXIS).to_vec()),
             None => None,
         };
         let mut comm_bytes = Vec::new();
         for collective in first.header.iter().filter_map(|h| h.strip_suffix("_bytes")).filter(|c| c.contains('.')) {
             let s = series(&format!("{collective}_bytes"))?;
-            let per_rank = mean(&s.iter().map(|v| mean(v)).collect::<Vec<_>>());
+            let per_rank = mean(&mean_along(s.view(), STEP_AXIS));
             if per_rank > 0.0 {
                 comm_bytes.push((collective.to_string(), per_rank));
             }
@@ -222,18 +244,15 @@ impl TimingStats {
         let rank_pp_bubble = if pipeline_columns.iter().all(|c| first.index_of(c).is_some()) {
             let [wait, data, fwd, bwd] = pipeline_columns.map(series);
             let (wait, data, fwd, bwd) = (wait?, data?, fwd?, bwd?);
-            let busy = |r: usize, i: usize| data[r][i] + fwd[r][i] + bwd[r][i];
-            let phase: Vec<f64> =
-                (0..window.len()).map(|i| (0..ranks.len()).map(|r| busy(r, i) + wait[r][i]).fold(0.0, f64::max)).collect();
-            Some(
-                (0..ranks.len())
-                    .map(|r| {
-                        let idle: Vec<f64> =
-                            (0..window.len()).map(|i| if phase[i] > 0.0 { 1.0 - busy(r, i) / phase[i] } else { 0.0 }).collect();
-                        (mean(&wait[r]), mean(&idle))
-                    })
-                    .collect(),
-            )
+            let busy = &data + &fwd + &bwd;
+            // Per step: the pipeline phase's length, the longest busy + wait of any rank.
+            let phase = (&busy + &wait).fold_axis(RANK_AXIS, 0.0, |&m, &x| f64::max(m, x));
+            let idle =
+                Zip::from(&busy)
+                    .and_broadcast(phase.view().insert_axis(RANK_AXIS))
+                    .map_collect(|&b, &t| if t > 0.0 { 1.0 - b / t } else { 0.0 });
+            let (wait, idle) = (mean_along(wait.view(), STEP_AXIS), mean_along(idle.view(), STEP_AXIS));
+            Some(wait.into_iter().zip(idle).collect())
         } else {
             None
         };
@@ -261,13 +280,11 @@ impl TimingStats {
     }
 }
 
-/// `series[rank][step]` of one phase → the mean over steps of the min/avg/max across ranks.
-fn phase_across_ranks(phase: &'static str, series: &[Vec<f64>]) -> PhaseStat {
-    let steps = series[0].len();
-    let at = |step: usize| series.iter().map(move |rank| rank[step]);
-    let mins: Vec<f64> = (0..steps).map(|s| at(s).fold(f64::INFINITY, f64::min)).collect();
-    let avgs: Vec<f64> = (0..steps).map(|s| at(s).sum::<f64>() / series.len() as f64).collect();
-    let maxs: Vec<f64> = (0..steps).map(|s| at(s).fold(f64::NEG_INFINITY, f64::max)).collect();
+/// `series[[rank, step]]` of one phase → the mean over steps of the min/avg/max across ranks.
+fn phase_across_ranks(phase: &'static str, series: ArrayView2<'_, f64>) -> PhaseStat {
+    let mins = series.fold_axis(RANK_AXIS, f64::INFINITY, |&m, &x| f64::min(m, x));
+    let avgs = mean_along(series, RANK_AXIS);
+    let maxs = series.fold_axis(RANK_AXIS, f64::NEG_INFINITY, |&m, &x| f64::max(m, x));
     PhaseStat { phase, min: mean(&mins), avg: mean(&avgs), max: mean(&maxs) }
 }
 
@@ -295,8 +312,24 @@ mod tests {
     #[test]
     fn phase_statistics_across_ranks() {
         // Two ranks, two steps: rank 1 is slower by 1 s in each.
-        let s = phase_across_ranks("forward", &[vec![1.0, 3.0], vec![2.0, 4.0]]);
+        let s = phase_across_ranks("forward", ndarray::array![[1.0, 3.0], [2.0, 4.0]].view());
         assert_eq!((s.min, s.avg, s.max), (2.0, 2.5, 3.0));
         assert!((s.imbalance() - 0.2).abs() < 1e-12);
+    }
+
+    /// The axis means add in index order: the same bits as a plain sum of each row or column,
+    /// also past the 8 terms where `sum_axis` would regroup them.
+    #[test]
+    fn axis_means_match_sequential_sums_to_the_bit() {
+        let table = Array2::from_shape_fn((11, 13), |(r, i)| ((r * 13 + i) as f64 * 0.731).sin() * 10f64.powi((r % 5) as i32 - 2));
+        let per_rank = mean_along(table.view(), STEP_AXIS);
+        for (r, row) in table.outer_iter().enumerate() {
+            assert_eq!(per_rank[r].to_bits(), mean(row.to_vec().iter()).to_bits());
+        }
+        let per_step = mean_along(table.view(), RANK_AXIS);
+        for (i, col) in table.columns().into_iter().enumerate() {
+            let n = col.len() as f64;
+            assert_eq!(per_step[i].to_bits(), (col.iter().sum::<f64>() / n).to_bits());
+        }
     }
 }
