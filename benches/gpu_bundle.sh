@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Packs a CUDA build of ndtrain with the shared libraries it runs on (Open MPI with its
-# plugins and PMIx, parallel HDF5 and their dependencies, all from this Debian machine) into
-# one archive, for a GPU machine that has the NVIDIA driver, CUDA and Python but none of these
-# (and no network to install them): copy or carry the archive, then there
-#     tar xf ndtrain-gpu.tar.xz && . ndtrain-gpu/env.sh && ndtrain gpu-check
-# `env.sh` puts the bundled libraries first on LD_LIBRARY_PATH and relocates Open MPI
-# (OPAL_PREFIX) and PMIx, so a singleton `ndtrain` (no mpirun) runs. Checked here with Open
+# plugins and PMIx, parallel HDF5 and their dependencies, all from this Debian machine) and
+# Open MPI's launcher (`mpirun`/`mpiexec`, which are `orterun`, its daemon `orted`, and
+# `ompi_info`) into one archive, for a GPU machine that has the NVIDIA driver, CUDA and Python
+# but none of these (and no network to install them): copy or carry the archive, then there
+#     tar xf ndtrain-gpu.tar.xz && . ndtrain-gpu/env.sh && mpirun -n 2 ndtrain gpu-check
+# `env.sh` puts the bundled programs first on PATH and the bundled libraries first on
+# LD_LIBRARY_PATH and relocates Open MPI (OPAL_PREFIX) and PMIx, so a singleton `ndtrain` and
+# `mpirun` of several ranks on the machine run. Checked here with Open
 # MPI, PMIx and HDF5 hidden from a mount namespace (tmpfs over their folders): the tiny deck
 # trains and `gpu-check` reports the missing CUDA libraries. The CUDA libraries are not bundled:
 # ndtrain opens the machine's own at run time. benches/gpu_check.sh uses the archive.
@@ -33,8 +35,12 @@ done
 # in Debian's layout under a relocated prefix; and what the plugins themselves load.
 cp -rL "$ARCH_LIB/openmpi" "$ARCH_LIB/pmix2" "$B/usr/lib/x86_64-linux-gnu/"
 cp -rL /usr/share/openmpi "$B/usr/share/"
-cp -L /usr/bin/orted "$B/usr/bin/"
-for so in "$B"/usr/lib/x86_64-linux-gnu/openmpi/lib/openmpi3/*.so "$B"/usr/lib/x86_64-linux-gnu/pmix2/lib/pmix/*.so "$B/usr/bin/orted"; do
+for prog in orted orterun ompi_info; do
+    cp -L "/usr/bin/$prog" "$B/usr/bin/"
+done
+ln -s orterun "$B/usr/bin/mpirun"
+ln -s orterun "$B/usr/bin/mpiexec"
+for so in "$B"/usr/lib/x86_64-linux-gnu/openmpi/lib/openmpi3/*.so "$B"/usr/lib/x86_64-linux-gnu/pmix2/lib/pmix/*.so "$B"/usr/bin/*; do
     ldd "$so" 2>/dev/null | awk '/=>/ {print $3}'
 done | sort -u | while read -r lib; do
     [ -n "$lib" ] || continue
@@ -52,7 +58,7 @@ export OPAL_PREFIX="$NDTRAIN_BUNDLE/usr"
 export PMIX_INSTALL_PREFIX="$NDTRAIN_BUNDLE/usr/lib/x86_64-linux-gnu/pmix2"
 export PMIX_MCA_mca_base_component_path="$NDTRAIN_BUNDLE/usr/lib/x86_64-linux-gnu/pmix2/lib/pmix"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
-# One process on one node: shared memory and self are all the transports needed.
+# The ranks of one machine: shared memory and self are all the transports needed.
 export OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 OMPI_MCA_mca_base_component_show_load_errors=0
 EOF
 echo "+ packing $OUT/$NAME.tar.xz"

@@ -70,12 +70,12 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Check this rank's GPU against the CPU: cuBLAS, every NVRTC kernel, and an NCCL
-    /// all-reduce over the job (run it under mpirun/srun with one rank per GPU). Needs a build
-    /// with `--features cuda`.
+    /// Check this rank's GPU against the CPU: cuBLAS, every NVRTC kernel, a model step, and an
+    /// all-reduce over the job (NCCL with a GPU per rank, staged where ranks share one). Run it
+    /// under mpirun/srun as training runs. Needs a build with `--features cuda`.
     GpuCheck {
         /// Also build the mesh `dp_replicate,dp_shard,cp,tp` (its product = the ranks) and
-        /// check one NCCL communicator per group of it (tp, cp, fsdp, dp_rep, batch).
+        /// check an all-reduce over each of its groups (tp, cp, fsdp, dp_rep, batch).
         #[arg(long, value_name = "R,S,C,T")]
         layout: Option<String>,
     },

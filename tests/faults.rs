@@ -200,6 +200,22 @@ fn the_watchdog_ends_a_job_with_a_hung_rank() {
     assert_eq!(steps_done(&out), 2);
 }
 
+/// The watchdog polls the communicators' asynchronous errors (NCCL's report of a peer that is
+/// gone, while the rank waits inside NCCL): an error on one rank ends the job with its message,
+/// naming the rank, well within the watchdog's time — not at the walltime.
+#[test]
+fn the_watchdog_ends_a_job_on_a_communicator_s_asynchronous_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let child = spawn(job(&out, &["run.steps=20", "run.watchdog_seconds=30"], &[(debug::ASYNC_ERROR_ENV, "step=3,rank=1")]));
+    let (o, took) = wait_within(child, 60);
+    assert!(took < Duration::from_secs(25), "took {took:?}: the stall limit, not the poll, ended it\n{}", text(&o));
+    assert!(!o.status.success(), "{}", text(&o));
+    let err = stderr(&o);
+    assert!(err.contains("error: rank 1: communicator of group world: injected asynchronous error"), "{}", text(&o));
+    assert_eq!(steps_done(&out), 2);
+}
+
 /// Acceptance 4: a NaN injected into one rank's gradient of one tensor at step 3. `skip` skips
 /// exactly that update (the AdamW step count is one behind, the losses up to step 3 are the
 /// clean run's) and training goes on; `abort` ends the run with one message naming the step,

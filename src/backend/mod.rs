@@ -25,6 +25,35 @@ use std::ops::Range;
 
 pub use crate::config::Precision;
 
+/// A point in a device's queue of work: done once everything queued before it has finished
+/// (a recorded CUDA event). What copies from host memory that the host must keep until they
+/// have read it are waited for with.
+pub trait Fence {
+    /// Whether the work before the fence has finished (never blocks).
+    fn done(&self) -> bool;
+    /// Blocks until it has.
+    fn wait(&self);
+}
+
+/// The host's fence: its copies finish before they return.
+impl Fence for () {
+    fn done(&self) -> bool {
+        true
+    }
+    fn wait(&self) {}
+}
+
+/// A GPU this process can see: its ordinal among the visible ones, what names it across
+/// processes (the UUID, the same whatever `CUDA_VISIBLE_DEVICES` renumbers), its PCI bus id
+/// and the NUMA node its bus hangs off (from sysfs; `None` where the system does not say).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GpuInfo {
+    pub ordinal: usize,
+    pub uuid: String,
+    pub pci_bus_id: String,
+    pub numa_node: Option<usize>,
+}
+
 /// Sizes of one attention call. Tensors are head-major: `q [B, H, Sq, hd]`, `k, v [B, KV, Sk,
 /// hd]`; query head `h` reads kv head `h / (H/KV)`.
 #[derive(Clone, Copy, Debug)]
@@ -73,6 +102,8 @@ pub trait Backend<T: Real> {
     type Buf: Default;
     /// Token ids of a micro-batch (and whatever the embedding backward needs about them).
     type Ids: Default;
+    /// A point in the device's queue ([`Backend::fence`]).
+    type Fence: Fence;
     /// Global positions of a rank's tokens.
     type Pos: Default;
 
@@ -120,6 +151,12 @@ pub trait Backend<T: Real> {
         false
     }
     fn unpin_host(&self, _host: &mut [T]) {}
+    /// A fence after everything queued so far, where copies may still be reading host memory
+    /// when they return (an upload from page-locked memory on a device); `None` where every
+    /// copy has finished when it returns (the host).
+    fn fence(&self) -> Option<Self::Fence> {
+        None
+    }
     fn set_ids(&self, dst: &mut Self::Ids, host: &[u32]);
     fn set_positions(&self, dst: &mut Self::Pos, host: &[usize]);
 

@@ -32,6 +32,36 @@ pub fn device_path() -> bool {
     std::env::var(DEVICE_PATH_ENV).is_ok_and(|v| v != "0")
 }
 
+/// The GPUs every rank sees, instead of asking CUDA: `UUID:NUMA,UUID:NUMA,…` (`NUMA` a node
+/// number, or `?` where unknown); `{node_rank}` in a UUID becomes the rank's node-local rank, as
+/// under one GPU per task. The decision of `run::gpus` — which GPU each rank takes, whether the
+/// node's ranks share GPUs — then runs on any build and any device, and the placement table
+/// shows it: a host test of it on real ranks (and pretend nodes).
+pub const GPUS_ENV: &str = "NDTRAIN_DEBUG_GPUS";
+
+/// The injected GPU list of `GPUS_ENV` as rank `node_rank` of its node sees it, if set.
+pub fn injected_gpus(node_rank: usize) -> Result<Option<Vec<crate::backend::GpuInfo>>, String> {
+    let Ok(spec) = std::env::var(GPUS_ENV) else { return Ok(None) };
+    parse_gpus(&spec, node_rank).map(Some).map_err(|e| format!("{GPUS_ENV}={spec:?}: {e}"))
+}
+
+fn parse_gpus(spec: &str, node_rank: usize) -> Result<Vec<crate::backend::GpuInfo>, String> {
+    spec.split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .enumerate()
+        .map(|(ordinal, e)| {
+            let (uuid, numa) = e.rsplit_once(':').ok_or_else(|| format!("{e:?} is not UUID:NUMA"))?;
+            let numa_node = match numa.trim() {
+                "?" => None,
+                n => Some(n.parse().map_err(|_| format!("{e:?}: NUMA node {n:?} is not a number or ?"))?),
+            };
+            let uuid = uuid.trim().replace("{node_rank}", &node_rank.to_string());
+            Ok(crate::backend::GpuInfo { ordinal, uuid, pci_bus_id: format!("0000:{:02x}:00.0", 0x10 + ordinal), numa_node })
+        })
+        .collect()
+}
+
 /// When writing the checkpoint of this step, world rank 0 aborts the job (`MPI_Abort`) after
 /// the parameters are written and before the optimiser moments: a crash in the middle of a
 /// checkpoint, which must leave the previous one intact.
@@ -63,6 +93,12 @@ pub const DEVICE_ERROR_ENV: &str = "NDTRAIN_DEBUG_DEVICE_ERROR";
 /// Rank `rank` stops making progress at the start of step `step` (sleeps, as a rank stuck in
 /// I/O would): the watchdog (`[run] watchdog_seconds`) must end the job.
 pub const HANG_ENV: &str = "NDTRAIN_DEBUG_HANG";
+
+/// Rank `rank` reports at the start of step `step` a failed communicator, as NCCL's
+/// asynchronous error reports a peer that is gone, and waits in it as a rank inside NCCL would:
+/// the watchdog, which polls the communicators, must end the job (exit 1) naming the rank
+/// within its time.
+pub const ASYNC_ERROR_ENV: &str = "NDTRAIN_DEBUG_ASYNC_ERROR";
 
 /// Rank `rank` sets the first element of its gradient shard of `tensor` to NaN after the
 /// gradients of step `step` are reduced: `[optim] on_nonfinite` decides what happens.
@@ -118,6 +154,7 @@ pub struct Faults {
     pub step_delay: Option<Duration>,
     pub fail: Option<Fault>,
     pub hang: Option<Fault>,
+    pub async_error: Option<Fault>,
     pub nan_grad: Option<Fault>,
     pub device_error: Option<Fault>,
     pub checkpoint_write_error: Option<Fault>,
@@ -129,31 +166,53 @@ impl Faults {
             step_delay: step_delay()?,
             fail: fault(FAIL_ENV)?,
             hang: fault(HANG_ENV)?,
+            async_error: fault(ASYNC_ERROR_ENV)?,
             nan_grad: fault(NAN_GRAD_ENV)?,
             device_error: fault(DEVICE_ERROR_ENV)?,
             checkpoint_write_error: fault(CHECKPOINT_WRITE_ERROR_ENV)?,
         })
     }
 
-    /// At the start of step `s1` on world rank `rank`: the injected failure (an error) or hang
-    /// (this rank sleeps for good, as a rank stuck in I/O would).
+    /// At the start of step `s1` on world rank `rank`: the injected failure (an error), hang
+    /// (this rank sleeps for good, as a rank stuck in I/O would) or asynchronous communicator
+    /// error (reported to the watchdog's checks, then waited in for good).
     pub fn at_step_start(&self, rank: usize, s1: u64) -> Result<(), String> {
         if fires(&self.fail, rank, s1) {
             return Err(format!("injected failure ({FAIL_ENV}) at step {s1}"));
         }
+        if fires(&self.async_error, rank, s1) {
+            let check = super::watchdog::add_check(move || {
+                Some(format!("communicator of group world: injected asynchronous error ({ASYNC_ERROR_ENV}) at step {s1}"))
+            });
+            std::mem::forget(check);
+            sleep_for_good();
+        }
         if fires(&self.hang, rank, s1) {
             eprintln!("rank {rank}: {HANG_ENV} at step {s1}: this rank stops making progress");
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
+            sleep_for_good();
         }
         Ok(())
+    }
+}
+
+fn sleep_for_good() -> ! {
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn injected_gpu_lists_parse_or_say_what_is_wrong() {
+        let g = parse_gpus("GPU-a:0, GPU-{node_rank}:?", 3).unwrap();
+        assert_eq!((g[0].uuid.as_str(), g[0].numa_node, g[0].ordinal), ("GPU-a", Some(0), 0));
+        assert_eq!((g[1].uuid.as_str(), g[1].numa_node, g[1].ordinal), ("GPU-3", None, 1));
+        assert!(parse_gpus("GPU-a", 0).unwrap_err().contains("UUID:NUMA"));
+        assert!(parse_gpus("GPU-a:x", 0).unwrap_err().contains("not a number"));
+    }
 
     #[test]
     fn fault_specs_parse_or_say_what_is_wrong() {

@@ -6,6 +6,7 @@
 //! failure every rank agreed on.
 
 pub mod faults;
+pub mod gpus;
 pub mod job_limit;
 pub mod launch;
 pub mod placement;

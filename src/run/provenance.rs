@@ -95,6 +95,19 @@ pub struct Libraries {
     pub hdf5: String,
     /// `cuDriverGetVersion` as `major.minor`, on a `cuda` build training on GPUs; else null.
     pub cuda_driver: Option<String>,
+    /// `ncclGetVersion` as `major.minor.patch` where the run loaded NCCL (its collectives ran
+    /// over it); else null.
+    pub nccl: Option<String>,
+}
+
+/// The prefixes of the environment variables that steer the communication libraries, recorded
+/// whole: NCCL's own, UCX's (Open MPI's and NCCL's transport on InfiniBand), libfabric's (HPE
+/// Slingshot, with the aws-ofi-nccl plugin).
+pub const COMMUNICATION_ENV: [&str; 3] = ["NCCL_", "UCX_", "FI_"];
+
+/// The variables of `vars` whose names start with one of [`COMMUNICATION_ENV`], by name.
+pub fn communication_env(vars: impl Iterator<Item = (String, String)>) -> BTreeMap<String, String> {
+    vars.filter(|(k, _)| COMMUNICATION_ENV.iter().any(|p| k.starts_with(p))).collect()
 }
 
 /// Where the job ran.
@@ -108,6 +121,9 @@ pub struct Job {
     pub world_size: usize,
     pub threads_per_rank: usize,
     pub device: Device,
+    /// Training on GPUs: each world rank's GPU as the placement table names it (ordinal, UUID,
+    /// PCI bus id, NUMA node); else null.
+    pub gpus: Option<Vec<String>>,
 }
 
 /// The deck: the path it was given as, its `[run] name`, the resolved copy beside this file.
@@ -183,6 +199,8 @@ pub struct RunRecord {
     pub wall_s: Option<f64>,
     pub program: Program,
     pub libraries: Libraries,
+    /// The communication libraries' environment at start ([`COMMUNICATION_ENV`]), by name.
+    pub environment: BTreeMap<String, String>,
     pub job: Job,
     pub deck: DeckInfo,
     pub layout: Layout,
@@ -212,8 +230,18 @@ impl RunRecord {
                 mpi: comm::library_version(),
                 hdf5: crate::io::hdf5::library_version(),
                 cuda_driver: if device == Device::Cuda { cuda_driver_version() } else { None },
+                nccl: None,
             },
-            job: Job { scheduler, id, hosts, world_size: places.len(), threads_per_rank: threads, device },
+            environment: communication_env(std::env::vars()),
+            job: Job {
+                scheduler,
+                id,
+                hosts,
+                world_size: places.len(),
+                threads_per_rank: threads,
+                device,
+                gpus: (device == Device::Cuda).then(|| places.iter().map(|p| p.gpu.clone()).collect()),
+            },
             deck: DeckInfo { path: deck_path.display().to_string(), name: res.deck.run.name.clone(), resolved: "deck.toml" },
             layout: Layout {
                 mesh: res.layout,
@@ -246,6 +274,7 @@ impl RunRecord {
         if self.libraries.cuda_driver.is_none() && self.job.device == Device::Cuda {
             self.libraries.cuda_driver = cuda_driver_version();
         }
+        self.libraries.nccl = nccl_version();
         self.results = results;
     }
 
@@ -344,6 +373,17 @@ fn cuda_driver_version() -> Option<String> {
     None
 }
 
+/// The version of the NCCL the run loaded, if it loaded one.
+#[cfg(feature = "cuda")]
+fn nccl_version() -> Option<String> {
+    crate::backend::cuda::nccl::loaded_version()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl_version() -> Option<String> {
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -368,6 +408,14 @@ mod tests {
         assert_eq!(scheduler_job(env(&[("PBS_JOBID", "7.pbs")])), (Some("pbs"), Some("7.pbs".into())));
         assert_eq!(scheduler_job(env(&[("SLURM_JOB_ID", "")])), (None, None));
         assert_eq!(scheduler_job(env(&[])), (None, None));
+    }
+
+    #[test]
+    fn the_communication_libraries_environment_is_recorded_and_nothing_else() {
+        let vars = [("NCCL_DEBUG", "INFO"), ("NCCL_IB_HCA", "mlx5_0"), ("UCX_TLS", "rc,sm"), ("FI_PROVIDER", "cxi"), ("HOME", "/root")];
+        let got = communication_env(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        assert_eq!(got.keys().map(String::as_str).collect::<Vec<_>>(), ["FI_PROVIDER", "NCCL_DEBUG", "NCCL_IB_HCA", "UCX_TLS"]);
+        assert_eq!(got["NCCL_IB_HCA"], "mlx5_0");
     }
 
     #[test]

@@ -12,6 +12,11 @@
 //! collective (waiting for a partner, as `parallel::comm::in_collective` says) allows itself
 //! twice the limit, so the rank that stalled outside any collective reports first and the
 //! message names it.
+//!
+//! It also runs the health checks registered with [`add_check`] at every tick — the NCCL
+//! communicators' asynchronous errors, which are how NCCL reports a peer that is gone while the
+//! rank waits inside it — and ends the job the same way, with the check's message, when one
+//! reports a failure.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,6 +33,38 @@ struct Shared {
 
 /// The running watchdog of this process, if any: what [`beat`] reports to.
 static ACTIVE: Mutex<Option<Arc<Shared>>> = Mutex::new(None);
+
+/// A health check: a failure's message, or `None` while all is well.
+type CheckFn = Box<dyn Fn() -> Option<String> + Send>;
+
+/// The registered health checks, by number.
+static CHECKS: Mutex<Vec<(u64, CheckFn)>> = Mutex::new(Vec::new());
+
+/// A registered health check; dropping it unregisters it (before what it checks goes away).
+pub struct Check(u64);
+
+/// Registers `check`, which the watchdog thread runs at every tick while a watchdog runs.
+pub fn add_check(check: impl Fn() -> Option<String> + Send + 'static) -> Check {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    if let Ok(mut c) = CHECKS.lock() {
+        c.push((id, Box::new(check)));
+    }
+    Check(id)
+}
+
+impl Drop for Check {
+    fn drop(&mut self) {
+        if let Ok(mut c) = CHECKS.lock() {
+            c.retain(|(id, _)| *id != self.0);
+        }
+    }
+}
+
+/// The first registered check that reports a failure, with its message.
+fn failed_check() -> Option<String> {
+    CHECKS.lock().ok()?.iter().find_map(|(_, check)| check())
+}
 
 /// Stops its thread when dropped.
 pub struct Watchdog {
@@ -61,6 +98,9 @@ impl Watchdog {
                     // elsewhere: the stuck rank's own watchdog fires first and names it.
                     let in_collective = crate::parallel::comm::in_collective();
                     let limit = if in_collective { 2 * timeout } else { timeout };
+                    if let Some(failure) = failed_check().filter(|_| !s.stop.load(Ordering::Relaxed)) {
+                        end_job(&format!("error: rank {rank}: {failure}; ending the job\n"));
+                    }
                     if idle > limit && !s.stop.load(Ordering::Relaxed) {
                         let mut what = s.what.lock().map(|w| w.clone()).unwrap_or_default();
                         if in_collective {
@@ -101,13 +141,17 @@ impl Drop for Watchdog {
 }
 
 fn fire(rank: usize, idle: Duration, timeout: Duration, what: &str) -> ! {
-    use std::io::Write;
-    let line = format!(
+    end_job(&format!(
         "error: rank {rank}: watchdog: no progress for {:.1} s (limit [run] watchdog_seconds = {}) since: {what}; \
          ending the job (a rank is stuck, e.g. in I/O, or a collective's partner is gone)\n",
         idle.as_secs_f64(),
         timeout.as_secs_f64()
-    );
+    ))
+}
+
+/// Prints `line` as one write and ends the process with the run-failure code.
+fn end_job(line: &str) -> ! {
+    use std::io::Write;
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
     // SAFETY: _exit ends the process at once; nothing is left half-done that matters more
     // than ending a hung job (checkpoints are only ever published complete).

@@ -78,17 +78,20 @@ pub(super) fn say_model(res: &Resolved, backend: String, peak: &Peak, flops_per_
     );
 }
 
-/// LAMMPS-style summary: each phase's min / avg / max across ranks, its share of the total,
+/// LAMMPS-style summary: each phase's min / avg / max across ranks, its share of the ranks' mean total,
 /// and the load imbalance (max − avg) / avg; `other` is the rest of the wall time (start-up,
 /// logging).
 pub(super) fn say_phase_table(mesh: &Mesh, totals: &PhaseTimes, total_s: f64) {
     let world = mesh.world.size() as f64;
+    // Shares of the ranks' mean total: each rank's phases and "other" add up to its own total,
+    // so the column adds up to 100 % whichever rank started its clock first.
+    let mean_total = mesh.world.min_max_sum_f64(total_s).2 / world;
     say!("\nphase        min (s)    avg (s)    max (s)   %total  %imbal");
     let row = |name: &str, x: f64| {
         let (lo, hi, sum) = mesh.world.min_max_sum_f64(x);
         let avg = sum / world;
         let imbalance = if avg > 0.0 { 100.0 * (hi - avg) / avg } else { 0.0 };
-        say!("{name:<10} {lo:>9.3} {avg:>10.3} {hi:>10.3} {:>8.1} {imbalance:>7.1}", 100.0 * avg / total_s.max(1e-12));
+        say!("{name:<10} {lo:>9.3} {avg:>10.3} {hi:>10.3} {:>8.1} {imbalance:>7.1}", 100.0 * avg / mean_total.max(1e-12));
     };
     let mut phases_sum = 0.0;
     for p in Phase::ALL {

@@ -80,6 +80,7 @@ impl Cpu {
 impl<T: Real> Backend<T> for Cpu {
     type Buf = Vec<T>;
     type Ids = Vec<u32>;
+    type Fence = ();
     type Pos = Vec<usize>;
 
     fn describe(&self) -> String {

@@ -15,11 +15,13 @@
 //! lines over a launch wrapper (`launch`).
 
 use super::attention::{self, AttnDevice, AttnPlan, SCORES_CAP};
+use super::comm::Event;
+use super::order::{self, Marks};
 use super::{Gpu, Operand};
 use crate::backend::AttnDims;
 use crate::backend::{AdamStep, Backend, Precision};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::rc::Rc;
 
@@ -29,24 +31,36 @@ use std::rc::Rc;
 pub struct DevBuf<T> {
     slice: Option<CudaSlice<T>>,
     len: usize,
+    /// The number of the last device call that read or wrote it (`order`).
+    last_use: Cell<u64>,
 }
 
 impl<T> Default for DevBuf<T> {
     fn default() -> Self {
-        DevBuf { slice: None, len: 0 }
+        DevBuf { slice: None, len: 0, last_use: Cell::new(0) }
     }
 }
 
 impl<T> DevBuf<T> {
     pub(super) fn of(slice: CudaSlice<T>) -> Self {
-        DevBuf { len: slice.len(), slice: Some(slice) }
+        DevBuf { len: slice.len(), slice: Some(slice), last_use: Cell::new(order::current()) }
     }
+    fn without_memory(len: usize) -> Self {
+        DevBuf { slice: None, len, last_use: Cell::new(0) }
+    }
+    /// The buffer's memory, for the device call in progress (which it records as its last use).
     pub(super) fn get(&self) -> Result<&CudaSlice<T>, String> {
+        self.last_use.set(order::current());
         self.slice.as_ref().ok_or_else(|| format!("a GPU buffer of {} elements without memory was used", self.len))
     }
     pub(super) fn get_mut(&mut self) -> Result<&mut CudaSlice<T>, String> {
+        self.last_use.set(order::current());
         let len = self.len;
         self.slice.as_mut().ok_or_else(|| format!("a GPU buffer of {len} elements without memory was used"))
+    }
+    /// The number of the last device call that used the buffer.
+    pub fn last_use(&self) -> u64 {
+        self.last_use.get()
     }
     pub fn len(&self) -> usize {
         self.len
@@ -73,6 +87,8 @@ pub struct DevIds {
 pub struct GpuBackend {
     shared: Rc<Shared>,
     precision: Precision,
+    /// Attention's products on TF32 tensor cores: by default exactly under bf16.
+    tf32: Option<bool>,
 }
 
 struct Shared {
@@ -87,10 +103,14 @@ struct Shared {
     dscores: RefCell<DevBuf<f32>>,
     /// The gradient norm's per-block partial sums.
     partials: RefCell<DevBuf<f64>>,
+    /// RMSNorm's weight gradient per tile of rows (grown to the largest seen).
+    dw_partials: RefCell<DevBuf<f32>>,
     /// What `ndtrain plan` predicts this rank holds, for the message of a failed allocation.
     planned_bytes: std::cell::Cell<Option<usize>>,
     /// The first device call that failed, with what it was; no device call runs after it.
     failure: RefCell<Option<String>>,
+    /// The compute stream's call marks, which collectives wait for (`order`).
+    marks: RefCell<Marks>,
 }
 
 /// Blocks of the gradient-norm reduction (a fixed grid: the sum is deterministic).
@@ -135,9 +155,9 @@ pub(crate) fn group_ids(ids: &[u32]) -> (Vec<u32>, Vec<i32>, Vec<i32>) {
 }
 
 impl GpuBackend {
-    /// Opens the GPU of this node-local rank and compiles the kernels for it.
-    pub fn open(node_rank: usize, precision: Precision) -> Result<GpuBackend, String> {
-        let gpu = Gpu::open(node_rank)?;
+    /// Opens visible GPU `ordinal` and compiles the kernels for it.
+    pub fn open(ordinal: usize, precision: Precision) -> Result<GpuBackend, String> {
+        let gpu = Gpu::open(ordinal)?;
         let partials = RefCell::new(DevBuf::of(gpu.zeros::<f64>(SUM_SQ_BLOCKS)?));
         let shared = Shared {
             gpu,
@@ -146,24 +166,54 @@ impl GpuBackend {
             scores: RefCell::new(DevBuf::default()),
             dscores: RefCell::new(DevBuf::default()),
             partials,
+            dw_partials: RefCell::new(DevBuf::default()),
             planned_bytes: std::cell::Cell::new(None),
             failure: RefCell::new(None),
+            marks: RefCell::new(Marks::new()),
         };
-        Ok(GpuBackend { shared: Rc::new(shared), precision })
+        Ok(GpuBackend { shared: Rc::new(shared), precision, tf32: None })
     }
 
     pub fn gpu(&self) -> &Gpu {
         &self.shared.gpu
     }
 
+    /// Whether the device's buffers come from CUDA's stream-ordered pool (which CUDA IPC, and
+    /// so a CUDA-aware MPI between the ranks of a node, cannot map).
+    pub fn pool_memory(&self) -> bool {
+        super::device::pool_memory(self.gpu())
+    }
+
     /// Runs the device call `call` unless one has failed before; a failure is recorded as
     /// `what` failed (the first one only), and [`Backend::synchronize`] reports it.
     pub fn run(&self, what: &str, call: impl FnOnce() -> Result<(), String>) {
-        if !self.has_failed() {
-            if let Err(e) = call() {
-                self.record_failure(what, e);
-            }
+        if self.has_failed() {
+            return;
         }
+        let marks = self.shared.marks.borrow();
+        let n = marks.begin();
+        let done = call().and_then(|_| marks.end(n, &self.gpu().stream));
+        drop(marks);
+        if let Err(e) = done {
+            self.record_failure(what, e);
+        }
+    }
+
+    /// From now on, every device call leaves a mark that a collective on another stream can
+    /// wait for (`order`): called when such a stream is created.
+    pub fn start_marks(&self) -> Result<(), String> {
+        self.shared.marks.borrow_mut().start(self.gpu().stream.context())
+    }
+
+    /// The last device call that used any of `bufs`: what a collective on them waits for.
+    pub fn last_use(&self, bufs: &[&DevBuf<f32>]) -> u64 {
+        bufs.iter().map(|b| b.last_use()).max().unwrap_or(0)
+    }
+
+    /// Runs `f` with what a stream must wait for before it uses buffers last used by call
+    /// `last_use`.
+    pub(super) fn with_wait<R>(&self, last_use: u64, f: impl FnOnce(order::Wait<'_>) -> R) -> R {
+        f(self.shared.marks.borrow().wait_for(last_use))
     }
 
     /// Whether a device call has failed: every later one is skipped.
@@ -182,16 +232,16 @@ impl GpuBackend {
     /// `n` zeros on the device; without memory (a recorded failure) when the allocation fails.
     fn alloc<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> DevBuf<T> {
         if n == 0 || self.has_failed() {
-            return DevBuf { slice: None, len: n };
+            return DevBuf::without_memory(n);
         }
-        match self.gpu().zeros::<T>(n) {
-            Ok(s) => DevBuf::of(s),
-            Err(e) => {
-                let message = self.allocation_failure(n * std::mem::size_of::<T>(), &e);
-                self.record_failure("allocation", message);
-                DevBuf { slice: None, len: n }
-            }
-        }
+        let mut buf = None;
+        // An allocation and its zeroing are a call on the stream, like any other.
+        self.run("allocation", || {
+            let bytes = n * std::mem::size_of::<T>();
+            buf = Some(DevBuf::of(self.gpu().zeros::<T>(n).map_err(|e| self.allocation_failure(bytes, &e))?));
+            Ok(())
+        });
+        buf.unwrap_or_else(|| DevBuf::without_memory(n))
     }
 
     /// What `ndtrain plan` predicts this rank holds (said when an allocation fails).
@@ -227,6 +277,12 @@ impl GpuBackend {
     /// Switches the GEMMs' precision (gpu-check runs both on one opened GPU).
     pub fn set_precision(&mut self, p: Precision) {
         self.precision = p;
+    }
+
+    /// Runs attention's products on TF32 tensor cores or not, whatever the precision
+    /// (gpu-check compares bf16 GEMMs against the host with attention in exact f32).
+    pub fn set_tf32(&mut self, on: bool) {
+        self.tf32 = Some(on);
     }
 
     /// Row-major `c = op(a) · op(b) (+ c)` in the configured precision: f32, or bf16 copies
@@ -267,7 +323,7 @@ impl GpuBackend {
 
     /// The attention orchestration's view of this GPU.
     fn attn(&self) -> GpuAttn<'_> {
-        GpuAttn { be: self, tf32: self.precision == Precision::Bf16 }
+        GpuAttn { be: self, tf32: self.tf32.unwrap_or(self.precision == Precision::Bf16) }
     }
 
     /// The GEMM rate of this GPU in the configured precision (FLOP/s): a few 8192³ products
@@ -291,6 +347,7 @@ impl GpuBackend {
 impl Backend<f32> for GpuBackend {
     type Buf = DevBuf<f32>;
     type Ids = DevIds;
+    type Fence = Event;
     type Pos = DevBuf<i32>;
 
     /// The first recorded failure, else the device's own (an asynchronous failure surfaces at
@@ -299,7 +356,19 @@ impl Backend<f32> for GpuBackend {
         if let Some(e) = self.shared.failure.borrow().clone() {
             return Err(e);
         }
-        self.gpu().synchronize()
+        self.gpu().synchronize()?;
+        self.shared.marks.borrow_mut().synchronised();
+        Ok(())
+    }
+
+    /// An event after everything queued so far on the compute stream.
+    fn fence(&self) -> Option<Event> {
+        let mut fence = None;
+        self.run("recording a fence", || {
+            fence = Some(Event::record_on(&self.gpu().stream)?);
+            Ok(())
+        });
+        fence
     }
 
     fn describe(&self) -> String {
@@ -461,8 +530,14 @@ impl Backend<f32> for GpuBackend {
             return;
         }
         let n = x.len() / d;
+        let mut partial = self.shared.dw_partials.borrow_mut();
+        if partial.len() < super::dw_tiles(n) * d {
+            let _for = crate::backend::allocating("RMSNorm's weight-gradient partial sums", None);
+            *partial = self.alloc(super::dw_tiles(n) * d);
+        }
         self.run("rmsnorm_bwd", || {
-            self.gpu().rmsnorm_bwd(dx.get_mut()?, dw.get_mut()?, dy.get()?, x.get()?, w.get()?, rstd.get()?, (n, d), acc)
+            let grads = (dx.get_mut()?, dw.get_mut()?, partial.get_mut()?);
+            self.gpu().rmsnorm_bwd(grads, dy.get()?, x.get()?, w.get()?, rstd.get()?, (n, d), acc)
         });
     }
 

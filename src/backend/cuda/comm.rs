@@ -1,39 +1,41 @@
-//! The device side of collectives: what a collective over NCCL or a CUDA-aware MPI needs of the
-//! GPU — a stream for communication, events that order it against the compute stream and time
-//! it, an NCCL communicator's calls on device buffers, and the raw device addresses an MPI
-//! library takes. Which collective runs when, over which ranks, and how its unique id reaches
-//! them is `parallel::collective`'s; nothing here knows of MPI.
+//! The device side of collectives: what a collective over NCCL (`super::nccl`) or a CUDA-aware
+//! MPI needs of the GPU — a stream for communication, events that order it against the compute
+//! stream and time it, and the raw device addresses an MPI library takes. Which collective runs
+//! when, over which ranks, and how an NCCL unique id reaches them is `parallel::collective`'s;
+//! nothing here knows of MPI.
 
 use super::backend::{DevBuf, GpuBackend};
+use super::order::Wait;
 use cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
-use cudarc::nccl::{Comm, Id, ReduceOp};
 use std::ops::Range;
 use std::sync::Arc;
 
 /// A stream for collectives, forked from the compute stream of the GPU.
-pub struct CommStream(Arc<CudaStream>);
+pub struct CommStream(pub(super) Arc<CudaStream>);
 
 /// A point in a stream's work: waited for by another stream, or read for timing.
 pub struct Event(CudaEvent);
-
-/// An element-wise reduction.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reduce {
-    Sum,
-    Max,
-}
 
 fn driver(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
     move |e| format!("{what}: {e:?}")
 }
 
-fn nccl(what: &str) -> impl Fn(cudarc::nccl::result::NcclError) -> String + '_ {
-    move |e| format!("{what}: {e:?}")
+/// The staging buffers' fence: the copies queued before the event have finished.
+impl crate::backend::Fence for Event {
+    fn done(&self) -> bool {
+        self.is_complete()
+    }
+    fn wait(&self) {
+        // A failed wait leaves the fence to the next synchronisation, which reports the failure.
+        let _ = self.0.synchronize();
+    }
 }
 
 impl GpuBackend {
-    /// A new stream for collectives on this GPU.
+    /// A new stream for collectives on this GPU; from now on the compute stream leaves the
+    /// marks a collective waits for (`order`).
     pub fn comm_stream(&self) -> Result<CommStream, String> {
+        self.start_marks()?;
         self.gpu().stream.fork().map(CommStream).map_err(driver("creating a communication stream"))
     }
 
@@ -66,10 +68,16 @@ impl GpuBackend {
 }
 
 impl CommStream {
-    /// The stream waits for the compute `be` has enqueued so far (which produced a
-    /// collective's input).
-    pub fn after_compute(&self, be: &GpuBackend) -> Result<(), String> {
-        self.0.join(&be.gpu().stream).map_err(driver("ordering the communication stream after the compute"))
+    /// The stream waits for the compute `be` queued up to call `last_use` — the last call that
+    /// used a collective's buffers (`GpuBackend::last_use`): it wrote its input, or still reads
+    /// what it is about to write — and for no later compute.
+    pub fn after(&self, be: &GpuBackend, last_use: u64) -> Result<(), String> {
+        let what = driver("ordering the communication stream after the compute");
+        be.with_wait(last_use, |wait| match wait {
+            Wait::Nothing => Ok(()),
+            Wait::Mark(e) => self.0.wait(e).map_err(what),
+            Wait::Everything => self.0.join(&be.gpu().stream).map_err(what),
+        })
     }
 
     /// An event recorded now on this stream (timing enabled).
@@ -79,6 +87,11 @@ impl CommStream {
 }
 
 impl Event {
+    /// An event recorded now on `stream`, without timing.
+    pub(super) fn record_on(stream: &CudaStream) -> Result<Event, String> {
+        stream.record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING)).map(Event).map_err(driver("recording an event"))
+    }
+
     /// Whether the work before the event has completed (never blocks).
     pub fn is_complete(&self) -> bool {
         self.0.is_complete()
@@ -87,78 +100,5 @@ impl Event {
     /// Seconds from `start` to this event, both completed.
     pub fn seconds_since(&self, start: &Event) -> Result<f64, String> {
         start.0.elapsed_ms(&self.0).map(|ms| f64::from(ms) / 1e3).map_err(driver("reading a collective's time"))
-    }
-}
-
-/// The bytes of an NCCL unique id, created by one rank and handed to the others.
-pub struct NcclId(Id);
-
-impl NcclId {
-    /// Bytes in an id.
-    pub const BYTES: usize = 128;
-
-    pub fn new() -> Result<NcclId, String> {
-        Id::new().map(NcclId).map_err(nccl("ncclGetUniqueId"))
-    }
-
-    pub fn to_bytes(&self) -> Vec<u8> {
-        self.0.internal().iter().map(|&c| c as u8).collect()
-    }
-
-    pub fn from_bytes(bytes: &[u8]) -> Result<NcclId, String> {
-        if bytes.len() != Self::BYTES {
-            return Err(format!("an NCCL unique id has {} bytes, not {}", Self::BYTES, bytes.len()));
-        }
-        let mut internal = [0 as std::ffi::c_char; 128];
-        for (d, &s) in internal.iter_mut().zip(bytes) {
-            *d = s as std::ffi::c_char;
-        }
-        Ok(NcclId(Id::uninit(internal)))
-    }
-}
-
-/// One NCCL communicator, its collectives on `stream`.
-pub struct NcclComm(Comm);
-
-impl NcclComm {
-    /// Joins the communicator of `size` ranks that `id` names, as rank `rank` (every rank of
-    /// it joins at once: a collective call).
-    pub fn join(id: NcclId, rank: usize, size: usize, stream: &CommStream) -> Result<NcclComm, String> {
-        Comm::from_rank(stream.0.clone(), rank, size, id.0).map(NcclComm).map_err(nccl("ncclCommInitRank"))
-    }
-
-    /// `buf[range]` reduced across the ranks, in place.
-    pub fn all_reduce_in_place(&self, buf: &mut DevBuf<f32>, range: Range<usize>, op: Reduce) -> Result<(), String> {
-        let op = match op {
-            Reduce::Sum => ReduceOp::Sum,
-            Reduce::Max => ReduceOp::Max,
-        };
-        self.0.all_reduce_in_place(&mut buf.get_mut()?.slice_mut(range), &op).map(|_| ()).map_err(nccl("ncclAllReduce"))
-    }
-
-    /// `recv` = the sum of every rank's `send`.
-    pub fn all_reduce_sum(&self, send: &DevBuf<f32>, recv: &mut DevBuf<f32>) -> Result<(), String> {
-        self.0.all_reduce(send.get()?, recv.get_mut()?, &ReduceOp::Sum).map(|_| ()).map_err(nccl("ncclAllReduce"))
-    }
-
-    /// `recv` = every rank's `send`, in rank order.
-    pub fn all_gather(&self, send: &DevBuf<f32>, recv: &mut DevBuf<f32>) -> Result<(), String> {
-        self.0.all_gather(send.get()?, recv.get_mut()?).map(|_| ()).map_err(nccl("ncclAllGather"))
-    }
-
-    /// `recv` = this rank's block of the sum of every rank's `send`.
-    pub fn reduce_scatter_sum(&self, send: &DevBuf<f32>, recv: &mut DevBuf<f32>) -> Result<(), String> {
-        self.0.reduce_scatter(send.get()?, recv.get_mut()?, &ReduceOp::Sum).map(|_| ()).map_err(nccl("ncclReduceScatter"))
-    }
-
-    /// Sends `send` to rank `next` while `recv` is received from rank `prev` (one NCCL group,
-    /// so neither waits for the other).
-    pub fn shift(&self, send: &DevBuf<f32>, recv: &mut DevBuf<f32>, (next, prev): (usize, usize)) -> Result<(), String> {
-        let (send_view, recv_view) = (send.get()?.slice(..), recv.get_mut()?.slice_mut(..));
-        let mut g = self.0.group();
-        g.send(send_view, next as i32).map_err(nccl("ncclSend"))?;
-        g.recv(recv_view, prev as i32).map(|_| ()).map_err(nccl("ncclRecv"))?;
-        drop(g);
-        Ok(())
     }
 }

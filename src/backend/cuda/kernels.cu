@@ -92,12 +92,25 @@ extern "C" __global__ void rmsnorm_bwd_dx(float* dx, const float* dy, const floa
     }
 }
 
-// One thread per column, summing over the rows in order (deterministic): dw += Σ_n dy·x·rstd.
-extern "C" __global__ void rmsnorm_bwd_dw(float* dw, const float* dy, const float* x, const float* rstd, int n, int d) {
+// dw += Σ_n dy·x·rstd in two passes, deterministic: the rows are cut into tiles of `tile`
+// rows (blockIdx.y), each block sums its tile's rows in order for a run of columns into
+// partial[tile][d]; the second kernel adds the tiles in order. A column's rows are so spread over
+// many blocks instead of one thread walking all of them.
+extern "C" __global__ void rmsnorm_bwd_dw_partial(float* partial, const float* dy, const float* x, const float* rstd, int n, int d,
+                                                  int tile) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    int first = blockIdx.y * tile, last = min(n, first + tile);
+    float s = 0.0f;
+    for (int row = first; row < last; row++) s += dy[(size_t)row * d + j] * x[(size_t)row * d + j] * rstd[row];
+    partial[(size_t)blockIdx.y * d + j] = s;
+}
+
+extern "C" __global__ void rmsnorm_bwd_dw_sum(float* dw, const float* partial, int tiles, int d) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= d) return;
     float s = 0.0f;
-    for (int row = 0; row < n; row++) s += dy[(size_t)row * d + j] * x[(size_t)row * d + j] * rstd[row];
+    for (int t = 0; t < tiles; t++) s += partial[(size_t)t * d + j];
     dw[j] += s;
 }
 

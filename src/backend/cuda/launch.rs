@@ -1,7 +1,7 @@
 //! One launch wrapper per kernel of `kernels.cu`: each checks the buffers against the sizes it
 //! passes (the kernels index by them) and names the host kernel whose contract it implements.
 
-use super::{elementwise, need, per_row, warp_per_row, Gpu, BLOCK};
+use super::{dw_tiles, elementwise, need, per_row, warp_per_row, Gpu, BLOCK, DW_TILE_ROWS};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 impl Gpu {
@@ -29,8 +29,7 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_bwd(
         &self,
-        dx: &mut CudaSlice<f32>,
-        dw: &mut CudaSlice<f32>,
+        (dx, dw, partial): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
         dy: &CudaSlice<f32>,
         x: &CudaSlice<f32>,
         w: &CudaSlice<f32>,
@@ -38,17 +37,25 @@ impl Gpu {
         (n, d): (usize, usize),
         accumulate: bool,
     ) -> Result<(), String> {
+        let tiles = dw_tiles(n);
         need(
             "rmsnorm_bwd",
             dx.len() >= n * d && dy.len() >= n * d && x.len() >= n * d && rstd.len() >= n && w.len() >= d && dw.len() >= d,
         )?;
+        need("rmsnorm_bwd (the weight gradient's partial sums)", partial.len() >= tiles * d)?;
         let (n32, d32, acc) = (n as i32, d as i32, accumulate as i32);
         let mut l = self.launcher("rmsnorm_bwd_dx");
         l.arg(&mut *dx).arg(dy).arg(x).arg(w).arg(rstd).arg(&n32).arg(&d32).arg(&acc);
         Self::launch("rmsnorm_bwd_dx", l, per_row(n))?;
-        let mut l = self.launcher("rmsnorm_bwd_dw");
-        l.arg(dw).arg(dy).arg(x).arg(rstd).arg(&n32).arg(&d32);
-        Self::launch("rmsnorm_bwd_dw", l, elementwise(d))
+        let (tiles32, tile32) = (tiles as i32, DW_TILE_ROWS as i32);
+        let mut l = self.launcher("rmsnorm_bwd_dw_partial");
+        l.arg(&mut *partial).arg(dy).arg(x).arg(rstd).arg(&n32).arg(&d32).arg(&tile32);
+        let mut grid = elementwise(d);
+        grid.grid_dim.1 = tiles as u32;
+        Self::launch("rmsnorm_bwd_dw_partial", l, grid)?;
+        let mut l = self.launcher("rmsnorm_bwd_dw_sum");
+        l.arg(dw).arg(&*partial).arg(&tiles32).arg(&d32);
+        Self::launch("rmsnorm_bwd_dw_sum", l, elementwise(d))
     }
 
     /// Token-major `[B, S, nh·hd]` → head-major `[B, nh, S, hd]`, RoPE-rotated when tables are

@@ -26,9 +26,11 @@ mod blas;
 pub mod comm;
 mod device;
 mod launch;
+pub mod nccl;
+mod order;
 
 pub use blas::{gemm_config, Operand};
-pub use device::device_count;
+pub use device::{device_count, memory_pools, visible_gpus};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
@@ -40,10 +42,11 @@ use std::sync::Arc;
 pub const SOURCE: &str = include_str!("kernels.cu");
 
 /// The entry points of [`SOURCE`], loaded by name at start.
-pub const KERNELS: [&str; 25] = [
+pub const KERNELS: [&str; 26] = [
     "rmsnorm_fwd",
     "rmsnorm_bwd_dx",
-    "rmsnorm_bwd_dw",
+    "rmsnorm_bwd_dw_partial",
+    "rmsnorm_bwd_dw_sum",
     "to_heads_rope",
     "from_heads_rope",
     "swiglu_fwd",
@@ -71,11 +74,20 @@ pub const KERNELS: [&str; 25] = [
 /// Threads per block of the elementwise kernels and of a row kernel (RMSNorm, cross entropy).
 const BLOCK: u32 = 256;
 
+/// Rows per tile of RMSNorm's weight gradient (`rmsnorm_bwd_dw_partial`).
+pub const DW_TILE_ROWS: usize = 128;
+
+/// The tiles of RMSNorm's weight gradient over `n` rows (the partial sums' rows).
+pub fn dw_tiles(n: usize) -> usize {
+    n.div_ceil(DW_TILE_ROWS).max(1)
+}
+
 /// Warps per block of the row kernels that give a warp to each row.
 const ROW_WARPS: u32 = 8;
 
-/// The CUDA libraries this backend loads, with the names `cudarc` looks for.
-const LIBRARIES: [(&str, &str); 4] = [("cuda", "the NVIDIA driver"), ("cublas", "cuBLAS"), ("nvrtc", "NVRTC"), ("nccl", "NCCL")];
+/// The CUDA libraries every GPU run loads, with the names `cudarc` looks for. NCCL is loaded
+/// only where a job's collectives run over it (`nccl`).
+const LIBRARIES: [(&str, &str); 3] = [("cuda", "the NVIDIA driver"), ("cublas", "cuBLAS"), ("nvrtc", "NVRTC")];
 
 /// Every CUDA library the backend needs can be loaded, or an error naming the missing ones.
 pub fn libraries_present() -> Result<(), String> {
@@ -85,8 +97,8 @@ pub fn libraries_present() -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "cannot load {}: run on a node with an NVIDIA GPU and its driver, with the CUDA 12 and NCCL \
-             libraries on LD_LIBRARY_PATH (e.g. `module load cuda nccl`)",
+            "cannot load {}: run on a node with an NVIDIA GPU and its driver, with the CUDA 12 libraries on \
+             LD_LIBRARY_PATH (e.g. `module load cuda`)",
             missing.join(", ")
         ))
     }
@@ -124,6 +136,70 @@ pub fn compile(arch: &str) -> Result<Ptx, String> {
         .map_err(|e| format!("NVRTC could not compile the kernels for {arch}: {e:?}"))
 }
 
+/// Compiles [`SOURCE`] for the GPU of compute capability `cc` to CUBIN, its machine code:
+/// unlike PTX, which the driver compiles again and refuses when the NVRTC that wrote it is newer
+/// than the driver, CUBIN loads on any driver of the same major CUDA version.
+pub fn compile_cubin(cc: (i32, i32)) -> Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    if !library_loadable("nvrtc") {
+        return Err("cannot load NVRTC (libnvrtc.so): put CUDA 12's lib64 on LD_LIBRARY_PATH".into());
+    }
+    let arch = format!("sm_{}{}", cc.0, cc.1);
+    let src = std::ffi::CString::new(SOURCE).expect("the kernels' source holds no NUL");
+    let prog = result::create_program(&src, Some(c"kernels.cu")).map_err(|e| format!("NVRTC: creating the program: {e:?}"))?;
+    // SAFETY: `prog` is a live program until destroyed below; the CUBIN buffer holds the size
+    // NVRTC reports.
+    let cubin = unsafe {
+        let compiled = result::compile_program(prog, &[format!("--gpu-architecture={arch}")]).map_err(|e| {
+            let log = result::get_program_log(prog).map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned());
+            format!("NVRTC could not compile the kernels for {arch}: {e:?}\n{}", log.unwrap_or_default())
+        });
+        let cubin = compiled.and_then(|_| {
+            let mut n = 0usize;
+            sys::nvrtcGetCUBINSize(prog, &mut n).result().map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))?;
+            let mut buf = vec![0u8; n];
+            sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()).result().map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
+            Ok(buf)
+        });
+        let _ = result::destroy_program(prog);
+        cubin?
+    };
+    if cubin.len() < 4 || cubin[..4] != *b"\x7fELF" {
+        return Err(format!("NVRTC returned no CUBIN for {arch} (is it older than CUDA 11.1?)"));
+    }
+    Ok(cubin)
+}
+
+/// A CUDA version, (major, minor).
+pub type CudaVersion = (i32, i32);
+
+/// Whether kernels that NVRTC `nvrtc` = (major, minor) compiled load on a driver of CUDA
+/// version `driver` = (major, minor), as `cuDriverGetVersion` reports it: CUBIN of a newer minor
+/// version loads (CUDA's minor-version compatibility), of a newer major version does not. An
+/// error names the two versions and which to change.
+pub fn toolchain_fits(driver: CudaVersion, nvrtc: CudaVersion) -> Result<(), String> {
+    if nvrtc.0 <= driver.0 {
+        return Ok(());
+    }
+    Err(format!(
+        "NVRTC is CUDA {}.{}, newer than the driver, which supports CUDA {}.{}: kernels it compiles do not load\nHINT: \
+         put CUDA {}.x's libnvrtc first on LD_LIBRARY_PATH (e.g. `module load cuda/{}`), or run on a driver for CUDA {}",
+        nvrtc.0, nvrtc.1, driver.0, driver.1, driver.0, driver.0, nvrtc.0
+    ))
+}
+
+/// The CUDA versions of the driver and of NVRTC, (major, minor) each.
+pub fn toolchain_versions() -> Result<(CudaVersion, CudaVersion), String> {
+    let mut d = 0;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: each call writes the integers it is given.
+    unsafe {
+        cudarc::driver::sys::cuDriverGetVersion(&mut d).result().map_err(|e| format!("cuDriverGetVersion: {e:?}"))?;
+        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor).result().map_err(|e| format!("nvrtcVersion: {e:?}"))?;
+    }
+    Ok(((d / 1000, d % 1000 / 10), (major, minor)))
+}
+
 fn err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> String + '_ {
     move |e| format!("{what}: {e:?}")
 }
@@ -138,7 +214,8 @@ pub struct Gpu {
     /// Compute capability (major, minor).
     pub cc: (i32, i32),
     stream: Arc<CudaStream>,
-    blas: CudaBlas,
+    /// Destroyed by `Gpu`'s drop, whose failure is not a panic (cudarc's own drop unwraps).
+    blas: std::mem::ManuallyDrop<CudaBlas>,
     functions: HashMap<&'static str, CudaFunction>,
     _module: Arc<CudaModule>,
 }
@@ -179,6 +256,31 @@ mod tests {
     }
 
     /// Every `__global__` of the source is listed (so `Gpu::open` loads it) and nothing else.
+    /// PTX a driver would compile again; CUBIN of a newer minor version loads, of a newer major
+    /// version does not, and the error says which to change.
+    #[test]
+    fn kernels_of_a_newer_major_cuda_than_the_driver_are_refused_with_what_to_change() {
+        assert!(toolchain_fits((12, 2), (12, 9)).is_ok());
+        assert!(toolchain_fits((12, 9), (12, 2)).is_ok());
+        assert!(toolchain_fits((13, 0), (12, 8)).is_ok());
+        let e = toolchain_fits((12, 2), (13, 0)).unwrap_err();
+        assert!(e.contains("NVRTC is CUDA 13.0") && e.contains("supports CUDA 12.2") && e.contains("HINT"), "{e}");
+        assert!(e.contains("CUDA 12.x's libnvrtc"), "{e}");
+    }
+
+    /// NVRTC writes CUBIN for sm_80 and sm_90 (what `Gpu::open` loads), where NVRTC is present.
+    #[test]
+    fn nvrtc_writes_cubin_for_sm80_and_sm90() {
+        if !library_loadable("nvrtc") {
+            assert!(std::env::var_os("NDTRAIN_REQUIRE_NVRTC").is_none(), "NDTRAIN_REQUIRE_NVRTC is set but libnvrtc cannot be loaded");
+            return;
+        }
+        for cc in [(8, 0), (9, 0)] {
+            let cubin = compile_cubin(cc).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(&cubin[..4], b"\x7fELF", "sm_{}{}", cc.0, cc.1);
+        }
+    }
+
     #[test]
     fn the_kernel_list_is_the_source_s_kernels() {
         let mut in_source: Vec<&str> =

@@ -177,25 +177,50 @@ impl<'g> MeshCollectives<'g, Vec<f32>> {
     }
 }
 
-/// The collectives a GPU job of `ranks_on_node` ranks per node on `gpus` GPUs per node runs,
-/// with an MPI that is (or is not) `cuda_aware`: `auto` is NCCL when every rank has a GPU of its
-/// own, else CUDA-aware MPI where the library says it takes device buffers, else staged. NCCL
-/// asked for with ranks sharing a GPU (NCCL refuses two ranks on one device), or CUDA-aware MPI
-/// of an MPI that is not, is an error with a hint.
-pub fn choose(asked: CommBackend, ranks_on_node: usize, gpus: usize, cuda_aware: bool) -> Result<CommBackend, String> {
-    let own_gpu = ranks_on_node <= gpus;
+/// What a GPU job's devices and MPI allow its collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuFacts {
+    /// Two ranks of a node opened the same GPU (`run::gpus`).
+    pub shared: bool,
+    /// The MPI library says it takes device buffers (`comm::cuda_aware`).
+    pub cuda_aware: bool,
+    /// The device buffers come from CUDA's stream-ordered pool (`cuMemAllocAsync`), which CUDA
+    /// IPC — how a CUDA-aware MPI moves device buffers between the ranks of a node — cannot map.
+    pub pool_memory: bool,
+}
+
+/// The collectives a GPU job runs, and a line saying why where it matters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chosen {
+    pub backend: CommBackend,
+    pub note: Option<String>,
+}
+
+/// The collectives `[parallel] comm_backend = asked` runs on GPUs with `facts`: `auto` is NCCL
+/// when every rank has a GPU of its own, else CUDA-aware MPI where the library takes device
+/// buffers and they are not pool memory, else staged. NCCL asked for with ranks sharing a GPU
+/// (NCCL refuses two ranks on one device), or CUDA-aware MPI of an MPI that is not, is an error
+/// with a hint; CUDA-aware MPI asked for on pool memory runs, with a warning.
+pub fn choose(asked: CommBackend, facts: GpuFacts) -> Result<Chosen, String> {
+    let chosen = |backend, note: Option<&str>| Ok(Chosen { backend, note: note.map(String::from) });
+    const POOL: &str = "this MPI takes device buffers, but they come from CUDA's stream-ordered pool, which CUDA IPC (how a \
+                        CUDA-aware MPI moves them between the ranks of a node) cannot map";
     match asked {
-        CommBackend::Auto if own_gpu => Ok(CommBackend::Nccl),
-        CommBackend::Auto if cuda_aware => Ok(CommBackend::Mpi),
-        CommBackend::Auto => Ok(CommBackend::Staged),
-        CommBackend::Nccl if !own_gpu => Err(format!(
-            "[parallel] comm_backend = \"nccl\": {ranks_on_node} ranks on this node share {gpus} GPU(s), and NCCL needs one GPU per \
-             rank\nHINT: run one rank per GPU, or comm_backend = \"staged\" (any number of ranks per GPU)"
-        )),
-        CommBackend::Mpi if !cuda_aware => Err("[parallel] comm_backend = \"mpi\": this MPI does not say it takes device buffers \
+        CommBackend::Auto if !facts.shared => chosen(CommBackend::Nccl, None),
+        CommBackend::Auto if facts.cuda_aware && !facts.pool_memory => chosen(CommBackend::Mpi, None),
+        CommBackend::Auto if facts.cuda_aware => chosen(CommBackend::Staged, Some(&format!("CUDA-aware MPI not chosen: {POOL}"))),
+        CommBackend::Auto => chosen(CommBackend::Staged, None),
+        CommBackend::Nccl if facts.shared => Err("[parallel] comm_backend = \"nccl\": ranks of this node share a GPU, and NCCL needs \
+             one GPU per rank\nHINT: run one rank per GPU, or comm_backend = \"staged\" (any number of ranks per GPU)"
+            .into()),
+        CommBackend::Mpi if !facts.cuda_aware => Err("[parallel] comm_backend = \"mpi\": this MPI does not say it takes device buffers \
              (MPIX_Query_cuda_support)\nHINT: comm_backend = \"nccl\" or \"staged\", or an MPI built with CUDA support"
             .into()),
-        other => Ok(other),
+        CommBackend::Mpi if facts.pool_memory => chosen(
+            CommBackend::Mpi,
+            Some(&format!("warning: [parallel] comm_backend = \"mpi\": {POOL}; transfers between ranks of one node may fail")),
+        ),
+        other => chosen(other, None),
     }
 }
 
@@ -203,15 +228,33 @@ pub fn choose(asked: CommBackend, ranks_on_node: usize, gpus: usize, cuda_aware:
 mod tests {
     use super::*;
 
+    fn facts(shared: bool, cuda_aware: bool, pool_memory: bool) -> GpuFacts {
+        GpuFacts { shared, cuda_aware, pool_memory }
+    }
+
     #[test]
     fn nccl_is_chosen_only_with_a_gpu_per_rank_and_mpi_only_where_it_takes_device_buffers() {
-        assert_eq!(choose(CommBackend::Auto, 4, 4, false), Ok(CommBackend::Nccl));
-        assert_eq!(choose(CommBackend::Auto, 8, 4, false), Ok(CommBackend::Staged));
-        assert_eq!(choose(CommBackend::Auto, 8, 4, true), Ok(CommBackend::Mpi));
-        assert_eq!(choose(CommBackend::Staged, 1, 8, true), Ok(CommBackend::Staged));
-        let e = choose(CommBackend::Nccl, 2, 1, true).unwrap_err();
-        assert!(e.contains("2 ranks on this node share 1 GPU(s)") && e.contains("HINT"), "{e}");
-        let e = choose(CommBackend::Mpi, 1, 1, false).unwrap_err();
+        let backend = |asked, f| choose(asked, f).map(|c| c.backend);
+        assert_eq!(backend(CommBackend::Auto, facts(false, false, true)), Ok(CommBackend::Nccl));
+        assert_eq!(backend(CommBackend::Auto, facts(true, false, true)), Ok(CommBackend::Staged));
+        assert_eq!(backend(CommBackend::Auto, facts(true, true, false)), Ok(CommBackend::Mpi));
+        assert_eq!(backend(CommBackend::Staged, facts(false, true, false)), Ok(CommBackend::Staged));
+        let e = choose(CommBackend::Nccl, facts(true, true, false)).unwrap_err();
+        assert!(e.contains("share a GPU") && e.contains("HINT"), "{e}");
+        let e = choose(CommBackend::Mpi, facts(false, false, false)).unwrap_err();
         assert!(e.contains("MPIX_Query_cuda_support") && e.contains("HINT"), "{e}");
+    }
+
+    /// Pool memory (every GPU with memory pools, as cudarc allocates there) cannot go through
+    /// CUDA IPC: `auto` never picks CUDA-aware MPI then, and says why; asked for, it warns.
+    #[test]
+    fn cuda_aware_mpi_is_not_auto_selected_on_stream_ordered_pool_memory() {
+        let c = choose(CommBackend::Auto, facts(true, true, true)).unwrap();
+        assert_eq!(c.backend, CommBackend::Staged);
+        assert!(c.note.as_deref().is_some_and(|n| n.contains("stream-ordered pool") && n.contains("CUDA IPC")), "{c:?}");
+        let c = choose(CommBackend::Mpi, facts(true, true, true)).unwrap();
+        assert_eq!(c.backend, CommBackend::Mpi);
+        assert!(c.note.as_deref().is_some_and(|n| n.starts_with("warning:")), "{c:?}");
+        assert_eq!(choose(CommBackend::Auto, facts(true, true, false)).unwrap().note, None);
     }
 }

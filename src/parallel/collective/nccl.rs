@@ -4,9 +4,10 @@
 //!
 //! Every collective runs on a communication stream of its own (one for all of the mesh's
 //! groups, so their collectives keep one order on every rank), ordered against the compute
-//! stream by events: the communication stream waits for the compute enqueued before a
-//! collective starts (which produced its input), and the compute stream waits for the
-//! collective only where its buffers come back (`wait`, `finish_shift`, or at once for the
+//! stream by events: the communication stream waits only for the compute call that last used
+//! the collective's buffers (`backend::cuda`'s call marks; not for compute queued before it
+//! that touches other buffers), and the compute stream waits for the collective only where its
+//! buffers come back (`wait`, `finish_shift`, or at once for the
 //! blocking calls). So FSDP's prefetched all-gather, the reduce-scatter left in flight over the
 //! next block's backward and DP's bucketed all-reduce overlap the GEMMs on the device as they
 //! do on the host, and the host never waits for them. Each collective is timed by a pair of
@@ -19,7 +20,8 @@
 
 use super::{Collective, Finished, MeshCollectives};
 use crate::backend::cuda::backend::{DevBuf, GpuBackend};
-use crate::backend::cuda::comm::{CommStream, Event, NcclComm, NcclId, Reduce};
+use crate::backend::cuda::comm::{CommStream, Event};
+use crate::backend::cuda::nccl::{AsyncErrors, NcclComm, NcclId};
 use crate::backend::Backend;
 use crate::parallel::comm::{Group, Ticket};
 use crate::parallel::mesh::Mesh;
@@ -56,12 +58,18 @@ pub struct NcclGroup<'g> {
 
 /// Joins the NCCL communicator of `group`'s ranks on `stream`: rank 0 of the group creates the
 /// unique id, the group's MPI communicator broadcasts it, every rank joins (a collective call
-/// over the group).
+/// over the group). The ranks agree before the broadcast (every one loaded NCCL, rank 0 made
+/// the id) and after the join, so a rank that fails ends the bootstrap on every rank instead of
+/// leaving the others waiting in a collective.
 pub fn bootstrap(group: &Group, stream: &CommStream) -> Result<NcclComm, String> {
-    let mut id = if group.rank() == 0 { NcclId::new()?.to_bytes() } else { vec![0; NcclId::BYTES] };
+    let ready = match group.rank() {
+        0 => NcclId::new().map(|id| id.to_bytes()),
+        _ => crate::backend::cuda::nccl::version().map(|_| vec![0; NcclId::BYTES]),
+    };
+    let mut id = group.agree(ready)?;
     group.broadcast_bytes(0, &mut id);
-    NcclComm::join(NcclId::from_bytes(&id)?, group.rank(), group.size(), stream)
-        .map_err(|e| format!("{e} ({} ranks in {})", group.size(), group.name()))
+    let joined = NcclId::from_bytes(&id).and_then(|id| NcclComm::join(&id, group.rank(), group.size(), stream));
+    group.agree(joined.map_err(|e| format!("{e} ({} ranks in {})", group.size(), group.name())))
 }
 
 impl<'g> NcclGroup<'g> {
@@ -85,16 +93,22 @@ impl<'g> NcclGroup<'g> {
         ((r + 1) % n, (r + n - 1) % n)
     }
 
-    /// Runs `call` (NCCL calls on the communication stream) after the compute enqueued so far,
-    /// between two timing events; `None` where a device call has failed (recorded on the
-    /// backend).
-    fn enqueue(&self, kind: &'static str, bytes: usize, call: impl FnOnce(&NcclComm) -> Result<(), String>) -> Option<Enqueued> {
+    /// Runs `call` (NCCL calls on the communication stream) after the compute call
+    /// `last_use`, the last that used its buffers (`GpuBackend::last_use`), between two timing
+    /// events; `None` where a device call has failed (recorded on the backend).
+    fn enqueue(
+        &self,
+        kind: &'static str,
+        bytes: usize,
+        last_use: u64,
+        call: impl FnOnce(&NcclComm) -> Result<(), String>,
+    ) -> Option<Enqueued> {
         if self.be.has_failed() {
             return None;
         }
         self.settle_completed();
         let enqueued = (|| {
-            self.stream.after_compute(&self.be)?;
+            self.stream.after(&self.be, last_use)?;
             let start = self.stream.record()?;
             call(&self.comm)?;
             Ok(Enqueued { kind, bytes, start, end: self.stream.record()? })
@@ -122,8 +136,8 @@ impl<'g> NcclGroup<'g> {
     }
 
     /// A blocking collective: enqueued, and the compute ordered after it.
-    fn blocking(&self, kind: &'static str, bytes: usize, call: impl FnOnce(&NcclComm) -> Result<(), String>) {
-        if let Some(e) = self.enqueue(kind, bytes, call) {
+    fn blocking(&self, kind: &'static str, bytes: usize, last_use: u64, call: impl FnOnce(&NcclComm) -> Result<(), String>) {
+        if let Some(e) = self.enqueue(kind, bytes, last_use, call) {
             self.join(e);
         }
     }
@@ -151,42 +165,51 @@ impl Collective<DevBuf<f32>> for NcclGroup<'_> {
     }
     fn all_reduce_sum_range(&self, buf: &mut DevBuf<f32>, range: Range<usize>) {
         if !range.is_empty() {
-            self.blocking("all_reduce", 4 * range.len(), |c| c.all_reduce_in_place(buf, range, Reduce::Sum));
+            let last = self.be.last_use(&[buf]);
+            self.blocking("all_reduce", 4 * range.len(), last, |c| c.all_reduce_in_place(buf, range, false));
         }
     }
     fn all_reduce_max(&self, buf: &mut DevBuf<f32>) {
         if !buf.is_empty() {
             let n = buf.len();
-            self.blocking("all_reduce", 4 * n, |c| c.all_reduce_in_place(buf, 0..n, Reduce::Max));
+            let last = self.be.last_use(&[buf]);
+            self.blocking("all_reduce", 4 * n, last, |c| c.all_reduce_in_place(buf, 0..n, true));
         }
     }
     fn all_gather(&self, send: &DevBuf<f32>, recv: &mut DevBuf<f32>) {
         assert_eq!(recv.len(), send.len() * self.degree(), "all_gather: recv must hold degree × send");
         if !send.is_empty() {
-            self.blocking("all_gather", 4 * recv.len(), |c| c.all_gather(send, recv));
+            let last = self.be.last_use(&[send, recv]);
+            self.blocking("all_gather", 4 * recv.len(), last, |c| c.all_gather(send, recv, self.degree()));
         }
     }
     fn reduce_scatter_sum(&self, send: &DevBuf<f32>, recv: &mut DevBuf<f32>) {
         assert_eq!(send.len(), recv.len() * self.degree(), "reduce_scatter: send must hold degree × recv");
         if !recv.is_empty() {
-            self.blocking("reduce_scatter", 4 * send.len(), |c| c.reduce_scatter_sum(send, recv));
+            let last = self.be.last_use(&[send, recv]);
+            self.blocking("reduce_scatter", 4 * send.len(), last, |c| c.reduce_scatter_sum(send, recv, self.degree()));
         }
     }
     fn start_all_gather(&self, send: DevBuf<f32>, mut recv: DevBuf<f32>) -> Ticket {
         assert_eq!(recv.len(), send.len() * self.degree(), "all_gather: recv must hold degree × send");
-        let bytes = 4 * recv.len();
-        let e = if send.is_empty() { None } else { self.enqueue("all_gather", bytes, |c| c.all_gather(&send, &mut recv)) };
+        let (bytes, last) = (4 * recv.len(), self.be.last_use(&[&send, &recv]));
+        let e =
+            if send.is_empty() { None } else { self.enqueue("all_gather", bytes, last, |c| c.all_gather(&send, &mut recv, self.degree())) };
         self.start(send, recv, e)
     }
     fn start_reduce_scatter_sum(&self, send: DevBuf<f32>, mut recv: DevBuf<f32>) -> Ticket {
         assert_eq!(send.len(), recv.len() * self.degree(), "reduce_scatter: send must hold degree × recv");
-        let bytes = 4 * send.len();
-        let e = if recv.is_empty() { None } else { self.enqueue("reduce_scatter", bytes, |c| c.reduce_scatter_sum(&send, &mut recv)) };
+        let (bytes, last) = (4 * send.len(), self.be.last_use(&[&send, &recv]));
+        let e = if recv.is_empty() {
+            None
+        } else {
+            self.enqueue("reduce_scatter", bytes, last, |c| c.reduce_scatter_sum(&send, &mut recv, self.degree()))
+        };
         self.start(send, recv, e)
     }
     fn start_all_reduce_sum(&self, send: DevBuf<f32>, mut recv: DevBuf<f32>) -> Ticket {
-        let bytes = 4 * send.len();
-        let e = if send.is_empty() { None } else { self.enqueue("all_reduce", bytes, |c| c.all_reduce_sum(&send, &mut recv)) };
+        let (bytes, last) = (4 * send.len(), self.be.last_use(&[&send, &recv]));
+        let e = if send.is_empty() { None } else { self.enqueue("all_reduce", bytes, last, |c| c.all_reduce_sum(&send, &mut recv)) };
         self.start(send, recv, e)
     }
     /// Whether the collective has finished on the device (never blocks).
@@ -204,8 +227,8 @@ impl Collective<DevBuf<f32>> for NcclGroup<'_> {
     fn start_shift(&self, slot: usize, buf: &DevBuf<f32>) {
         let mut recv = self.be.zeros(buf.len());
         if !buf.is_empty() {
-            let peers = self.peers();
-            if let Some(e) = self.enqueue("ring", 4 * buf.len(), |c| c.shift(buf, &mut recv, peers)) {
+            let (peers, last) = (self.peers(), self.be.last_use(&[buf, &recv]));
+            if let Some(e) = self.enqueue("ring", 4 * buf.len(), last, |c| c.shift(buf, &mut recv, peers)) {
                 let old = self.shifts.borrow_mut().insert(slot, e);
                 assert!(old.is_none(), "ring slot {slot} already in flight");
             }
@@ -247,5 +270,30 @@ impl<'g> NcclMesh<'g> {
 
     pub fn collectives(&self) -> MeshCollectives<'_, DevBuf<f32>> {
         MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep }
+    }
+
+    fn groups(&self) -> [&NcclGroup<'g>; 4] {
+        [&self.tp, &self.cp, &self.fsdp, &self.dp_rep]
+    }
+
+    /// What another thread polls for each communicator's asynchronous errors (a peer gone),
+    /// named by its group.
+    pub fn async_errors(&self) -> Vec<(&'static str, AsyncErrors)> {
+        self.groups().iter().map(|g| (g.group.name(), g.comm.async_errors())).collect()
+    }
+
+    /// Ends every communicator cleanly: every rank of the world first agrees that its work is
+    /// done (a slower peer is not left in its last operation), then `ncclCommFinalize` and
+    /// `ncclCommDestroy`. Dropped without it (a failed run), the communicators are aborted.
+    pub fn close(self, world: &Group) -> Result<(), String> {
+        world.barrier();
+        let mut first_error = Ok(());
+        for g in [self.tp, self.cp, self.fsdp, self.dp_rep] {
+            let name = g.group.name();
+            if let Err(e) = g.comm.finish() {
+                first_error = first_error.and(Err(format!("{name}: {e}")));
+            }
+        }
+        first_error
     }
 }

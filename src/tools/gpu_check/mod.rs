@@ -1,8 +1,10 @@
-//! `ndtrain gpu-check`: an MPI program in which every rank opens the GPU of its node-local rank
-//! and checks it against the host ([`ops`], feature `cuda`): every backend operation, a model
-//! step, and an NCCL all-reduce over the job and over each group of `--layout`'s mesh. Rank 0
-//! prints each rank's lines in order. The ranks agree before every collective, so a rank that
-//! cannot open its GPU or its communicator ends the check on every rank, not in a wait.
+//! `ndtrain gpu-check`: an MPI program in which every rank opens the GPU training would give it
+//! (`run::gpus`) and checks it against the host ([`ops`], feature `cuda`): every backend
+//! operation, a model step, and an all-reduce over the job and over each group of `--layout`'s
+//! mesh on the collectives training would use there — NCCL with a GPU per rank, staged through
+//! host memory where ranks share one. Rank 0 prints each rank's lines in order. The ranks agree
+//! before every collective, so a rank that cannot open its GPU or its communicator ends the
+//! check on every rank, not in a wait.
 
 #[cfg(feature = "cuda")]
 pub mod ops;
@@ -62,7 +64,7 @@ pub fn run(layout: Option<String>) -> Result<Option<String>, Failure> {
         Err(e) => return Err(Failure { code: crate::exit::BAD_INPUT, message: root.then_some(e) }),
     };
     let node = world.split_shared();
-    let outcome = checks(&world, node.rank(), mesh.as_ref());
+    let outcome = checks(&world, &node, mesh.as_ref());
     // Every rank's lines, in rank order, on rank 0.
     let mine = outcome.as_ref().map(|t| t.clone().into_bytes()).unwrap_or_default();
     let all: Vec<String> = world.all_gather_bytes(&mine).iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect();
@@ -75,19 +77,30 @@ pub fn run(layout: Option<String>) -> Result<Option<String>, Failure> {
     }
 }
 
-/// This rank's checks, agreed over the world after each stage: opening the GPU, the backend's
-/// operations, and one NCCL communicator per group (its creation is a collective call over the
-/// group, so no rank starts one unless every rank got there). Every rank returns the same
-/// verdict: its own lines, or the lowest failing rank's message.
+/// This rank's checks, agreed over the world after each stage: choosing and opening the GPU
+/// (as training does: `run::gpus`), the backend's operations, and one NCCL communicator per
+/// group (its bootstrap agrees before and after its collective calls). Every rank returns the
+/// same verdict: its own lines, or the lowest failing rank's message.
 #[cfg(feature = "cuda")]
-fn checks(world: &crate::parallel::comm::Group, node_rank: usize, mesh: Option<&crate::parallel::mesh::Mesh>) -> Result<String, String> {
+fn checks(
+    world: &crate::parallel::comm::Group,
+    node: &crate::parallel::comm::Group,
+    mesh: Option<&crate::parallel::mesh::Mesh>,
+) -> Result<String, String> {
     use crate::backend::Backend;
-    let be = world.agree(crate::backend::cuda::backend::GpuBackend::open(node_rank, crate::backend::Precision::Fp32))?;
-    let mut lines = vec![format!("rank {} (node rank {node_rank}): GPU {}", world.rank(), be.describe())];
+    use crate::run::gpus::{self, RankView};
+    let visible = crate::backend::cuda::visible_gpus();
+    let view =
+        RankView { visible: visible.clone().unwrap_or_default(), numa_nodes: gpus::numa_nodes_of(&crate::run::placement::affinity()) };
+    let assigned = gpus::assign_on_node(node, &view).and_then(|a| visible.map(|_| a));
+    let assignment = world.agree(assigned)?;
+    let (gpu, shared) = (assignment.gpu, world.count_true(assignment.shared) > 0);
+    let be = world.agree(crate::backend::cuda::backend::GpuBackend::open(gpu.ordinal, crate::backend::Precision::Fp32))?;
+    let mut lines = vec![format!("rank {} (node rank {}): GPU {}: {}", world.rank(), node.rank(), gpus::describe(&gpu), be.describe())];
     let mut results = ops::check_backend(&be);
-    results.push(world.agree(ops::check_nccl(&be, world))?);
+    results.push(world.agree(ops::check_all_reduce(&be, world, shared))?);
     for g in mesh.map(|m| m.groups().to_vec()).unwrap_or_default() {
-        results.push(world.agree(ops::check_nccl(&be, g))?);
+        results.push(world.agree(ops::check_all_reduce(&be, g, shared))?);
     }
     let mut failed = 0;
     for c in &results {

@@ -12,7 +12,7 @@ use crate::model::params::{Dims, ModelParams};
 use crate::model::positions::rope_tables;
 use crate::model::{Model, Tokens};
 use crate::parallel::collective::nccl::NcclGroup;
-use crate::parallel::collective::Collective;
+use crate::parallel::collective::{Collective, Staged};
 use crate::parallel::comm::Group;
 use crate::parallel::cp::zigzag_positions;
 
@@ -42,8 +42,16 @@ pub const BF16_TOL: f64 = 1e-2;
 /// A whole forward and backward (two blocks, 256 tokens) against the host: every GEMM,
 /// reduction and exponential in another order, compounded through the blocks and the backward;
 /// the largest gradient difference over the tensor's largest value. (A wrong index or a missed
-/// accumulation shows as ≥ 1e-2.)
+/// accumulation shows as ≥ 1e-2.) It holds for bf16 GEMM operands too, which both sides round
+/// alike, with attention's products in f32 on both.
 pub const MODEL_TOL: f64 = 1e-4;
+
+/// The same model with attention's products on TF32 tensor cores (as training under bf16 runs
+/// them) against the host's f32 attention: TF32 keeps 11 significant bits, a relative rounding
+/// of at most 2⁻¹¹ per operand; four products in a row (scores, P·V, and their backward's two)
+/// round both of their operands, and the two blocks' backward compounds them once more, so
+/// 16 · 2⁻¹¹ = 2⁻⁷ bounds the worst gradient's relative difference.
+pub const TF32_MODEL_TOL: f64 = 1.0 / 128.0;
 
 pub(crate) fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
     assert_eq!(gpu.len(), cpu.len(), "compared buffers differ in length");
@@ -94,12 +102,17 @@ pub fn check_backend(gpu: &GpuBackend) -> Vec<Check> {
     c.model(ActCkpt::None);
     c.model(ActCkpt::Full);
     let mut out = c.out;
-    // Mixed precision: the same GEMMs on bf16 operands.
+    // Mixed precision: the same GEMMs on bf16 operands, with attention in f32 on both sides
+    // (the host has no TF32), then as training runs it, attention on TF32 tensor cores.
     let mut bf16 = gpu.clone();
     bf16.set_precision(Precision::Bf16);
-    let mut c = Pair { cpu: Cpu { precision: Precision::Bf16, staged: false }, gpu: bf16, out: vec![] };
+    bf16.set_tf32(false);
+    let mut c = Pair { cpu: Cpu { precision: Precision::Bf16, staged: false }, gpu: bf16.clone(), out: vec![] };
     c.bf16_gemms();
     c.model(ActCkpt::None);
+    bf16.set_tf32(true);
+    c.gpu = bf16;
+    c.model_with_tolerance(ActCkpt::None, (TF32_MODEL_TOL, TF32_MODEL_TOL), "TF32 attention");
     out.append(&mut c.out);
     out
 }
@@ -381,6 +394,12 @@ impl Pair {
     /// vocabulary that is not a multiple of anything) on both backends, from the same seeded
     /// weights: the loss and every parameter's gradient.
     fn model(&mut self, ckpt: ActCkpt) {
+        self.model_with_tolerance(ckpt, (F32_TOL, MODEL_TOL), "");
+    }
+
+    /// A two-block model's forward and backward on both backends: the loss within `loss_tol`,
+    /// every gradient within `tol`; `note` tags the check's name.
+    fn model_with_tolerance(&mut self, ckpt: ActCkpt, (loss_tol, tol): (f64, f64), note: &str) {
         let cfg = ModelCfg {
             vocab_size: 1000,
             d_model: 256,
@@ -411,8 +430,9 @@ impl Pair {
         gpu_model.backward_with(&mut &dev, &mut dev_grads, scale, Hooks::one_rank());
 
         let precision = self.cpu.precision;
-        let tag = format!("model fwd+bwd ({precision:?}, checkpointing {})", ckpt.name());
-        self.scalar(format!("{tag}: loss"), loss_d, loss, F32_TOL);
+        let note = if note.is_empty() { String::new() } else { format!(", {note}") };
+        let tag = format!("model fwd+bwd ({precision:?}, checkpointing {}{note})", ckpt.name());
+        self.scalar(format!("{tag}: loss"), loss_d, loss, loss_tol);
         let names = crate::model::params::param_specs(&cfg);
         let worst = dev_grads
             .tensors()
@@ -421,31 +441,37 @@ impl Pair {
             .zip(&names)
             .map(|((d, c), spec)| (rel_err(&self.down(d), c), spec.name.clone()))
             .fold((0.0f64, String::new()), |a, b| if b.0 > a.0 { b } else { a });
-        self.out.push(Check { what: format!("{tag}: every gradient (worst: {})", worst.1), rel_err: worst.0, tol: MODEL_TOL });
+        self.out.push(Check { what: format!("{tag}: every gradient (worst: {})", worst.1), rel_err: worst.0, tol });
     }
 }
 
-/// An NCCL all-reduce over `group` the way training runs one: started on a communication
-/// stream, waited for by the compute stream, its result then read by a kernel. Rank `r` sends
-/// `r + 1 + i/n`; the result must be `Σ_r (r + 1) + size·i/n` exactly (small integers and the
-/// same fraction on every rank).
-pub fn check_nccl(be: &GpuBackend, group: &Group) -> Result<Check, String> {
-    let stream = std::rc::Rc::new(be.comm_stream()?);
-    let nccl = NcclGroup::new(be, group, &stream)?;
+/// An all-reduce over `group` the way training runs one, on the collectives training would use
+/// there: NCCL when every rank has a GPU of its own (`shared` false: started on a communication
+/// stream, waited for by the compute stream, its result then read by a kernel), staged through
+/// host memory when ranks share a GPU. Rank `r` sends `r + 1 + i/n`; the result must be
+/// `Σ_r (r + 1) + size·i/n` exactly (small integers and the same fraction on every rank).
+pub fn check_all_reduce(be: &GpuBackend, group: &Group, shared: bool) -> Result<Check, String> {
     let n = 1 << 20;
     let mine: Vec<f32> = (0..n).map(|i| (group.rank() + 1) as f32 + (i % 8) as f32 / 8.0).collect();
     let mut send = be.zeros(n);
     be.upload(&mut send, &mine);
-    let ticket = nccl.start_all_reduce_sum(send, be.zeros(n));
-    let (_, mut sum) = nccl.wait(ticket);
-    be.scale(&mut sum, 1.0);
-    let mut got = vec![0.0; n];
-    be.download(&sum, &mut got);
-    be.synchronize()?;
-    nccl.settle();
+    let run = |c: &dyn Collective<DevBuf<f32>>| {
+        let ticket = c.start_all_reduce_sum(send, be.zeros(n));
+        let (_, mut sum) = c.wait(ticket);
+        be.scale(&mut sum, 1.0);
+        let mut got = vec![0.0; n];
+        be.download(&sum, &mut got);
+        be.synchronize().map(|_| c.settle()).map(|_| got)
+    };
+    let (kind, got) = if shared {
+        ("staged", run(&Staged::new(be.clone(), group))?)
+    } else {
+        let stream = std::rc::Rc::new(be.comm_stream()?);
+        ("NCCL", run(&NcclGroup::new(be, group, &stream)?)?)
+    };
     let size = group.size();
     let want: Vec<f32> = (0..n).map(|i| (size * (size + 1) / 2) as f32 + size as f32 * (i % 8) as f32 / 8.0).collect();
-    let what = format!("NCCL all-reduce (sum), 4 MiB, over {} ({} ranks)", group.name(), size);
+    let what = format!("{kind} all-reduce (sum), 4 MiB, over {} ({} ranks)", group.name(), size);
     Ok(Check { what, rel_err: rel_err(&got, &want), tol: 0.0 })
 }
 

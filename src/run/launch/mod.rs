@@ -3,7 +3,10 @@
 //! threads and device, the collectives on the device's buffers, `run.json`, and then the
 //! training loop (`train::train`). The run's outcome comes back as [`Ended`], with MPI
 //! finalised; a failure only this rank may have seen ends the whole job with `MPI_Abort`
-//! (`docs/reliability.md`).
+//! (`docs/reliability.md`). The GPU's part of the start-up is in `gpu` (feature `cuda`).
+
+#[cfg(feature = "cuda")]
+mod gpu;
 
 use crate::backend::cpu::{probe, Cpu};
 use crate::config::{Deck, Device, Resolved};
@@ -55,18 +58,21 @@ pub fn train(deck_path: &Path, set: &[String]) -> Ended {
     };
     let mesh = Mesh::new(world, res.layout);
     // What only the job's devices can tell (NCCL needs a GPU per rank): bad input, agreed.
-    if bad_input_agreed(&mesh.world, device_checks(&res, &mesh)) {
+    let devices = Devices::decide(&res, &mesh);
+    if bad_input_agreed(&mesh.world, devices.bad_input()) {
         return Ended::BadInput;
     }
-    let (threads, places) = place_rank(&res, &mesh);
+    let (threads, places) = place_rank(&res, &mesh, &devices);
     // run.json: what this run is, written by rank 0 before training and rewritten with the
     // outcome at the end. A file that cannot be written is a warning.
     let mut record = RunRecord::start(&res, &places, deck_path, threads);
     let out_dir = res.deck.run.out_dir();
-    say_start(&res, &mesh, &record, (deck_path, threads), placement::table(&places, res.deck.run.threads == 0), job_end_line);
+    let mut lines = placement::table(&places, res.deck.run.threads == 0);
+    lines.extend(devices.sharing());
+    say_start(&res, &mesh, &record, (deck_path, threads), lines, job_end_line);
     write_resolved_deck(&res, &mesh, &out_dir);
     save_record(&mesh, &record, &out_dir);
-    let ended = match train_on_device(&res, &mesh, &out_dir) {
+    let ended = match train_on_device(&res, &mesh, &out_dir, &devices) {
         Ok(summary) => Ended::Trained(summary),
         Err(e) => match e.downcast::<AgreedFailure>() {
             // Every rank stopped at the same point: finalise together, report once.
@@ -219,22 +225,85 @@ fn bad_input_agreed(world: &Group, verdict: Result<(), String>) -> bool {
 
 /// Starts this rank's threads on the CPUs of its affinity mask (shared with the node's ranks
 /// that have the same mask); returns their number and every rank's place.
-fn place_rank(res: &Resolved, mesh: &Mesh) -> (usize, Vec<Place>) {
+fn place_rank(res: &Resolved, mesh: &Mesh, devices: &Devices) -> (usize, Vec<Place>) {
     let cpus = placement::affinity();
     let threads = placement::threads_on_node(&mesh.node, res.deck.run.threads, &cpus);
     crate::backend::cpu::use_threads(threads);
-    let gpu = match res.deck.run.device {
-        Device::Cpu => "none".to_string(),
-        #[cfg(feature = "cuda")]
-        Device::Cuda => crate::backend::cuda::device_count()
-            .ok()
-            .filter(|&n| n > 0)
-            .map_or_else(|| "unknown".into(), |n| (mesh.node.rank() % n).to_string()),
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda => "unknown".to_string(),
+    let mine = Place {
+        host: placement::hostname(),
+        rank: mesh.world.rank(),
+        cpus,
+        threads,
+        gpu: devices.describe(),
+        node_cpus: placement::node_cpus(),
     };
-    let mine = Place { host: placement::hostname(), rank: mesh.world.rank(), cpus, threads, gpu, node_cpus: placement::node_cpus() };
     (threads, placement::gather(&mesh.world, &mine))
+}
+
+/// What the deck's `[run] device` needs decided on every rank before training: on GPUs, each
+/// rank's GPU and the job's collectives (`gpu`). With a device list injected
+/// (`NDTRAIN_DEBUG_GPUS`) the GPU assignment runs on any build and any device, for the
+/// placement table to show it.
+struct Devices {
+    #[cfg(feature = "cuda")]
+    gpu: Option<gpu::GpuPlan>,
+    /// The GPU assignment of an injected device list, where the job does not train on GPUs.
+    injected: Option<Result<crate::run::gpus::Assignment, String>>,
+}
+
+impl Devices {
+    /// A collective call over each node where the deck trains on GPUs or a list is injected.
+    fn decide(res: &Resolved, mesh: &Mesh) -> Devices {
+        let injected = crate::run::faults::injected_gpus(mesh.node.rank());
+        #[cfg(feature = "cuda")]
+        if res.deck.run.device == Device::Cuda {
+            return Devices { gpu: Some(gpu::GpuPlan::decide(res, mesh, injected)), injected: None };
+        }
+        let _ = res;
+        let injected = injected.transpose().map(|list| {
+            let view = crate::run::gpus::RankView { visible: list?, numa_nodes: crate::run::gpus::numa_nodes_of(&placement::affinity()) };
+            crate::run::gpus::assign_on_node(&mesh.node, &view)
+        });
+        Devices {
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            injected,
+        }
+    }
+
+    /// The bad input only the job's devices can tell (`comm_backend` they do not allow, an
+    /// injected list that does not parse).
+    fn bad_input(&self) -> Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g.bad_input();
+        }
+        self.injected.as_ref().map_or(Ok(()), |a| a.as_ref().map(|_| ()).map_err(Clone::clone))
+    }
+
+    /// The placement table's GPU column.
+    fn describe(&self) -> String {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g.describe();
+        }
+        match &self.injected {
+            Some(Ok(a)) => crate::run::gpus::describe(&a.gpu),
+            _ => "none".into(),
+        }
+    }
+
+    /// A console line on whether the node's ranks share GPUs, where that was decided.
+    fn sharing(&self) -> Option<String> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            return g.sharing();
+        }
+        match &self.injected {
+            Some(Ok(a)) => Some(crate::run::gpus::sharing_line(a, crate::run::faults::GPUS_ENV)),
+            _ => None,
+        }
+    }
 }
 
 /// The rate MFU is stated against: the deck's `[hardware] peak_flops_per_rank`, else `probe`.
@@ -250,7 +319,7 @@ fn peak(res: &Resolved, probe: impl FnOnce() -> Result<(f64, String), Error>) ->
 /// Trains on the deck's `[run] device`: the host (MPI collectives on host memory), or the
 /// rank's GPU. Under the debug option `NDTRAIN_DEBUG_DEVICE_PATH` the host runs the device's
 /// path: its buffers treated as device memory, the collectives staged through host copies.
-fn train_on_device(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, Error> {
+fn train_on_device(res: &Resolved, mesh: &Mesh, out_dir: &Path, devices: &Devices) -> Result<RunSummary, Error> {
     let precision = res.deck.train.precision;
     match res.deck.run.device {
         Device::Cpu => {
@@ -262,57 +331,12 @@ fn train_on_device(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSum
             }
             crate::train::train(Cpu { precision, staged: false }, MeshCollectives::host(mesh), res, mesh, out_dir, peak)
         }
-        Device::Cuda => train_on_gpu(res, mesh, out_dir),
-    }
-}
-
-/// The collectives `[parallel] comm_backend` asks for on GPUs: what this node's GPUs allow.
-#[cfg(feature = "cuda")]
-fn gpu_collectives(res: &Resolved, mesh: &Mesh) -> Result<crate::config::CommBackend, String> {
-    // Where no GPU can be counted, opening one reports why (a run-time error, not bad input).
-    let gpus = crate::backend::cuda::device_count().unwrap_or(usize::MAX);
-    crate::parallel::collective::choose(res.deck.parallel.comm_backend, mesh.node.size(), gpus, comm::cuda_aware())
-}
-
-/// The checks only the job's devices can answer, made on every rank before training.
-fn device_checks(res: &Resolved, mesh: &Mesh) -> Result<(), String> {
-    #[cfg(feature = "cuda")]
-    if res.deck.run.device == Device::Cuda {
-        gpu_collectives(res, mesh)?;
-    }
-    let _ = (res, mesh);
-    Ok(())
-}
-
-/// The rank's GPU, the groups' collectives as `[parallel] comm_backend` chooses: NCCL on the
-/// GPU's buffers, CUDA-aware MPI, or staged through host memory.
-#[cfg(feature = "cuda")]
-fn train_on_gpu(res: &Resolved, mesh: &Mesh, out_dir: &Path) -> Result<RunSummary, Error> {
-    use crate::config::CommBackend;
-    use crate::parallel::collective::{cuda_aware::CudaAwareMesh, nccl::NcclMesh};
-    let precision = res.deck.train.precision;
-    let be = crate::backend::cuda::backend::GpuBackend::open(mesh.node.rank(), precision)?;
-    let peak = peak(res, || Ok((be.gemm_probe()?, format!("measured {precision:?} GEMM probe on the GPU"))))?;
-    be.set_planned_bytes(crate::tools::plan::plan(res).peak_bytes());
-    let chosen = gpu_collectives(res, mesh)?;
-    say!("collectives on the GPUs: {}", chosen.name());
-    match chosen {
-        CommBackend::Nccl => {
-            let nccl = NcclMesh::new(&be, mesh)?;
-            crate::train::train(be.clone(), nccl.collectives(), res, mesh, out_dir, peak)
-        }
-        CommBackend::Mpi => {
-            let cuda_aware = CudaAwareMesh::new(&be, mesh);
-            crate::train::train(be.clone(), cuda_aware.collectives(), res, mesh, out_dir, peak)
-        }
-        _ => {
-            let staged = StagedMesh::new(&be, mesh);
-            crate::train::train(be.clone(), staged.collectives(), res, mesh, out_dir, peak)
+        #[cfg(feature = "cuda")]
+        Device::Cuda => gpu::train(res, mesh, out_dir, devices.gpu.as_ref().expect("decided for a GPU deck")),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => {
+            let _ = devices;
+            Err(NO_CUDA.into())
         }
     }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn train_on_gpu(_: &Resolved, _: &Mesh, _: &Path) -> Result<RunSummary, Error> {
-    Err(NO_CUDA.into())
 }
