@@ -40,9 +40,10 @@ pub fn matmul_params(cfg: &ModelCfg) -> u64 {
     cfg.n_layers as u64 * per_layer + cfg.vocab_size as u64 * d
 }
 
-/// Training FLOPs per token (`docs/model.md`): `6·N_matmul + 12·L·D·S`, no causal halving.
+/// Training FLOPs per token (`docs/model.md`): `6·N_matmul + 12·L·H·hd·S`, no causal halving
+/// (`H·hd = D` for Llama).
 pub fn flops_per_token(cfg: &ModelCfg, seq_len: usize) -> f64 {
-    6.0 * matmul_params(cfg) as f64 + 12.0 * (cfg.n_layers * cfg.d_model * seq_len) as f64
+    6.0 * matmul_params(cfg) as f64 + 12.0 * (cfg.n_layers * cfg.n_heads * cfg.head_dim() * seq_len) as f64
 }
 
 /// The median of `v` (the mean of the middle two for an even count; NaN when empty).
@@ -419,6 +420,8 @@ mod tests {
             n_layers: 8,
             n_heads: 8,
             n_kv_heads: 8,
+            head_dim: 0,
+            qk_norm: false,
             ffn_hidden: 1536,
             max_seq_len: 512,
             rope_theta: 1e4,

@@ -24,6 +24,8 @@ fn small_cfg(tie: bool) -> ModelCfg {
         n_layers: 2,
         n_heads: 4,
         n_kv_heads: 2,
+        head_dim: 0,
+        qk_norm: false,
         ffn_hidden: 24,
         max_seq_len: 16,
         rope_theta: 10000.0,
@@ -58,7 +60,11 @@ fn check_model(tie: bool, ckpt: ActCkpt) {
 }
 
 fn check_model_with(tie: bool, ckpt: ActCkpt, how: Backward) {
-    let cfg = small_cfg(tie);
+    check_cfg(&small_cfg(tie), ckpt, how)
+}
+
+fn check_cfg(cfg: &ModelCfg, ckpt: ActCkpt, how: Backward) {
+    let cfg = cfg.clone();
     let (b, s) = (2, 7);
     let inputs: Vec<u32> = (0..b * s).map(|i| ((i * 7 + 3) % cfg.vocab_size) as u32).collect();
     let targets: Vec<u32> = (0..b * s).map(|i| ((i * 5 + 1) % cfg.vocab_size) as u32).collect();
@@ -103,6 +109,16 @@ fn check_model_with(tie: bool, ckpt: ActCkpt, how: Backward) {
 #[test]
 fn every_parameter_gradient_matches_finite_differences() {
     check_model(false, ActCkpt::None);
+}
+
+/// Qwen3's attention: each head's q and k RMS-normed before RoPE, with a head width (6) apart
+/// from d_model / n_heads (4); whole and split backward, the latter with selective
+/// checkpointing (the raw projections are kept, not recomputed).
+#[test]
+fn qwen3_attention_gradient_matches_finite_differences() {
+    let cfg = ModelCfg { qk_norm: true, head_dim: 6, ..small_cfg(false) };
+    check_cfg(&cfg, ActCkpt::None, Backward::Whole);
+    check_cfg(&cfg, ActCkpt::Selective, Backward::Split);
 }
 
 /// Zero bubble's split backward, with the recomputation of full checkpointing (the kept

@@ -1,4 +1,4 @@
-//! The library against Hugging Face `LlamaForCausalLM` on one rank, f32 and f64: logits, loss, each gradient and parameter.
+//! The library against Hugging Face `LlamaForCausalLM` and `Qwen3ForCausalLM` on one rank, f32 and f64: logits, loss, each gradient and parameter.
 //!
 //! The reference is the committed state in `tests/reference/data/` (made by
 //! `tests/reference/generate.py`; versions, date and every hyper-parameter in `meta.json`, see
@@ -6,7 +6,8 @@
 //! `tests/reference_train.rs`; reruns of the shipped decks against their recorded logs are
 //! `tests/reference_logs.rs`.
 //!
-//! For each case (`untied`, `tied`) the model is imported with `ndtrain::io::hf::load_params` from
+//! For each case (`untied`, `tied`, and `qwen3`: Qwen3's per-head q/k norm with a head width of 24
+//! apart from hidden / heads = 16) the model is imported with `ndtrain::io::hf::load_params` from
 //! the folder `save_pretrained` wrote, then checked on one batch (logits, mean loss, the
 //! gradient of every parameter) and over five AdamW steps with warm-up + cosine LR and active
 //! gradient clipping (each step's LR, loss and pre-clip gradient norm, and the final
@@ -110,6 +111,8 @@ fn model_cfg(config: &Value) -> ModelCfg {
         n_layers: count("num_hidden_layers"),
         n_heads: count("num_attention_heads"),
         n_kv_heads: count("num_key_value_heads"),
+        head_dim: count("head_dim"),
+        qk_norm: config["model_type"] == "qwen3",
         ffn_hidden: count("intermediate_size"),
         max_seq_len: count("max_position_embeddings"),
         rope_theta: theta,
@@ -408,4 +411,9 @@ fn untied_model_matches_hugging_face() {
 #[test]
 fn tied_model_matches_hugging_face() {
     check_case("tied");
+}
+
+#[test]
+fn qwen3_model_matches_hugging_face() {
+    check_case("qwen3");
 }

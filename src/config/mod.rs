@@ -131,7 +131,8 @@ impl RunCfg {
     }
 }
 
-/// `[model]`: a Llama-style decoder, Hugging Face `LlamaConfig` semantics.
+/// `[model]`: a Llama-style decoder, Hugging Face `LlamaConfig` semantics; with `qk_norm` and
+/// an explicit `head_dim`, Qwen3's attention (`Qwen3Config`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelCfg {
@@ -140,6 +141,12 @@ pub struct ModelCfg {
     pub n_layers: usize,
     pub n_heads: usize,
     pub n_kv_heads: usize,
+    /// Width of one attention head; 0 means `d_model / n_heads` (Llama). Qwen3 sets it apart
+    /// from the width, so q/k/v are `[n_heads·head_dim, d_model]` and o is its transpose.
+    pub head_dim: usize,
+    /// An RMSNorm over each head's q and k (weights `q_norm`, `k_norm` of `[head_dim]`) before
+    /// RoPE, as Qwen3 does.
+    pub qk_norm: bool,
     pub ffn_hidden: usize,
     pub max_seq_len: usize,
     pub rope_theta: f64,
@@ -155,6 +162,8 @@ impl Default for ModelCfg {
             n_layers: 2,
             n_heads: 8,
             n_kv_heads: 4,
+            head_dim: 0,
+            qk_norm: false,
             ffn_hidden: 256,
             max_seq_len: 1024,
             rope_theta: 10000.0,
@@ -165,8 +174,13 @@ impl Default for ModelCfg {
 }
 
 impl ModelCfg {
+    /// The width of one attention head: `head_dim`, or `d_model / n_heads` when it is 0.
     pub fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads
+        if self.head_dim > 0 {
+            self.head_dim
+        } else {
+            self.d_model / self.n_heads
+        }
     }
 }
 

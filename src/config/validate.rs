@@ -277,9 +277,9 @@ impl Deck {
         ] {
             at_least_one("model", key, v as u64)?;
         }
-        need(m.d_model % m.n_heads == 0, || {
+        need(m.head_dim > 0 || m.d_model % m.n_heads == 0, || {
             err(format!("[model] d_model({}) is not divisible by n_heads({})", m.d_model, m.n_heads)).with_hint(format!(
-                "head_dim = d_model / n_heads must be a whole number; e.g. d_model = {}",
+                "head_dim = d_model / n_heads must be a whole number; e.g. d_model = {}, or set head_dim",
                 nearest_multiples(m.d_model, m.n_heads)
             ))
         })?;
@@ -289,10 +289,8 @@ impl Deck {
         })?;
         let hd = m.head_dim();
         need(hd % 2 == 0, || {
-            err(format!(
-                "[model] head_dim = d_model({}) / n_heads({}) = {hd} is odd, but RoPE (rotate-half) needs an even head_dim",
-                m.d_model, m.n_heads
-            ))
+            let from = if m.head_dim > 0 { String::new() } else { format!(" = d_model({}) / n_heads({})", m.d_model, m.n_heads) };
+            err(format!("[model] head_dim{from} = {hd} is odd, but RoPE (rotate-half) needs an even head_dim"))
         })?;
         positive_finite("model", "rope_theta", m.rope_theta)?;
         positive_finite("model", "norm_eps", m.norm_eps)

@@ -37,6 +37,11 @@ pub(super) struct BlockActs<V> {
     pub(super) gate: V,    // [N, F]
     pub(super) up: V,      // [N, F]
     pub(super) h: V,       // [N, F] silu(gate)·up
+    // With `qk_norm` (else empty): the q and k projections before their per-head norm.
+    pub(super) q_raw: V,  // [N, H*hd]
+    pub(super) k_raw: V,  // [N, KV*hd]
+    pub(super) rstd_q: V, // [N·H]
+    pub(super) rstd_k: V, // [N·KV]
 }
 
 /// Which of [`BlockActs`]' fields (in declaration order) `selective` recomputes: xn1, att_tok,
@@ -52,11 +57,33 @@ pub(super) enum ActsRole {
 
 /// Element counts of every field of [`BlockActs`], in declaration order: what `alloc`
 /// allocates and what the planner predicts (one function, so the two cannot drift apart).
-pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole) -> [usize; 15] {
+pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole) -> [usize; 19] {
     let (d, f, hd) = (m.d, m.ffn_local, m.hd);
     let nl = rows.local;
     let (qd, kvd) = (m.heads_local * hd, m.kv_heads_local * hd);
-    let all = [nl * d, nl, nl * d, n * qd, n * kvd, n * kvd, n * qd, n * m.heads_local, n * qd, nl * d, nl, nl * d, n * f, n * f, n * f];
+    let qk = m.qk_norm as usize;
+    let (h, kv) = (m.heads_local, m.kv_heads_local);
+    let all = [
+        nl * d,
+        nl,
+        nl * d,
+        n * qd,
+        n * kvd,
+        n * kvd,
+        n * qd,
+        n * h,
+        n * qd,
+        nl * d,
+        nl,
+        nl * d,
+        n * f,
+        n * f,
+        n * f,
+        qk * n * qd,
+        qk * n * kvd,
+        qk * n * h,
+        qk * n * kv,
+    ];
     let keep = |i: usize| match (ckpt, role) {
         (ActCkpt::None, ActsRole::Saved) | (ActCkpt::Full, ActsRole::Scratch) => true,
         (ActCkpt::None, ActsRole::Scratch) => false,
@@ -69,9 +96,9 @@ pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, rol
 
 impl<V> BlockActs<V> {
     pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole) -> Self {
-        let [x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h] =
+        let [x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h, q_raw, k_raw, rstd_q, rstd_k] =
             block_acts_lens(m, n, rows, ckpt, role).map(|len| be.zeros(len));
-        BlockActs { x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h }
+        BlockActs { x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h, q_raw, k_raw, rstd_q, rstd_k }
     }
 
     /// Exchanges the fields `selective` recomputes (no copy: the buffers change hands).
@@ -100,6 +127,10 @@ impl<V> BlockActs<V> {
             &self.gate,
             &self.up,
             &self.h,
+            &self.q_raw,
+            &self.k_raw,
+            &self.rstd_q,
+            &self.rstd_k,
         ]
         .iter()
         .map(|t| be.len(t))
@@ -147,7 +178,7 @@ impl<V> BlockGrads<V> {
 
 /// Zero bubble's deferred weight gradients of one block: the operands of its seven
 /// weight-gradient GEMMs, kept from the input-gradient half of its backward (`B`) until the
-/// weight-gradient half (`W`), and the two norms' weight gradients (computed with `B`).
+/// weight-gradient half (`W`), and the norms' weight gradients (computed with `B`).
 #[derive(Default)]
 pub(super) struct DeferredWeights<V> {
     /// Per projection (`block::Proj` order: q, k, v, o, gate, up, down), the gradient of its
@@ -156,27 +187,38 @@ pub(super) struct DeferredWeights<V> {
     /// The projections' inputs `[N, in]`, gathered: xn1 (q, k, v), att_tok (o), xn2 (gate,
     /// up), h (down).
     pub(super) x: [V; 4],
-    pub(super) dnorm1: V, // [D]
-    pub(super) dnorm2: V, // [D]
+    pub(super) dnorm1: V,  // [D]
+    pub(super) dnorm2: V,  // [D]
+    pub(super) dq_norm: V, // [hd] with `qk_norm`, else empty
+    pub(super) dk_norm: V, // [hd] with `qk_norm`, else empty
 }
 
 /// Element counts of [`DeferredWeights`]: `dy` in projection order, then `x`, then the norms.
-pub(super) fn deferred_lens(m: &Dims, n: usize) -> [usize; 13] {
+pub(super) fn deferred_lens(m: &Dims, n: usize) -> [usize; 15] {
     let (d, f) = (m.d, m.ffn_local);
     let (qd, kvd) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
-    [n * qd, n * kvd, n * kvd, n * d, n * f, n * f, n * d, n * d, n * qd, n * d, n * f, d, d]
+    let qk = m.qk_norm as usize * m.hd;
+    [n * qd, n * kvd, n * kvd, n * d, n * f, n * f, n * d, n * d, n * qd, n * d, n * f, d, d, qk, qk]
 }
 
 impl<V> DeferredWeights<V> {
     pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize) -> Self {
         let _for = crate::backend::allocating("zero bubble's deferred weight-gradient operands", None);
         let mut bufs = deferred_lens(m, n).map(|len| be.zeros(len)).into_iter();
-        let mut next = || bufs.next().expect("13 buffers");
-        DeferredWeights { dy: std::array::from_fn(|_| next()), x: std::array::from_fn(|_| next()), dnorm1: next(), dnorm2: next() }
+        let mut next = || bufs.next().expect("15 buffers");
+        DeferredWeights {
+            dy: std::array::from_fn(|_| next()),
+            x: std::array::from_fn(|_| next()),
+            dnorm1: next(),
+            dnorm2: next(),
+            dq_norm: next(),
+            dk_norm: next(),
+        }
     }
 
     pub(super) fn elements<T: Real, B: Backend<T, Buf = V>>(&self, be: &B) -> usize {
-        self.dy.iter().chain(&self.x).chain([&self.dnorm1, &self.dnorm2]).map(|t| be.len(t)).sum()
+        let norms = [&self.dnorm1, &self.dnorm2, &self.dq_norm, &self.dk_norm];
+        self.dy.iter().chain(&self.x).chain(norms).map(|t| be.len(t)).sum()
     }
 }
 

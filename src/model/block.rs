@@ -31,7 +31,8 @@ impl<T: Real, B: Backend<T>> BlockCtx<'_, T, B> {
     }
 }
 
-/// One decoder block forward: `x1 = x + o(attn(rope(q(n1(x))), rope(k(..)), v(..)))`,
+/// One decoder block forward: `x1 = x + o(attn(rope(q(n1(x))), rope(k(..)), v(..)))` (with
+/// `qk_norm`, `rope(q_norm(q(..)))` and `rope(k_norm(k(..)))`, each norm per head),
 /// `out = x1 + down(silu(gate(n2(x1))) · up(n2(x1)))`. Fills `a` (its `x` is the input) and
 /// overwrites `out [N, D]`; `g` lends its projection scratch. `out = None` is the recomputation
 /// for backward, which needs every activation but not the block output: it skips the down
@@ -53,11 +54,17 @@ pub(super) fn block_fwd<T: Real, B: Backend<T>>(
 
     be.rmsnorm_fwd(&mut a.xn1, &mut a.rstd1, &a.x, &w.input_layernorm, d, m.norm_eps);
     let xn1 = tp.gather(&a.xn1, &mut g.full_a); // [N, D]; backward: reduce of dxn1
-    be.linear_fwd(&mut g.q_tok, xn1, &w.q_proj, n, nh * hd, d, false);
+                                                // With `qk_norm` the projections are kept as they come out and normed per head into the
+                                                // scratch that feeds RoPE.
+    let q_out = if m.qk_norm { &mut a.q_raw } else { &mut g.q_tok };
+    be.linear_fwd(q_out, xn1, &w.q_proj, n, nh * hd, d, false);
+    norm_heads(be, m, &mut g.q_tok, &mut a.rstd_q, &a.q_raw, w.q_norm.as_ref());
     poke();
     be.tokens_to_heads(&mut a.q, &g.q_tok, b, s, nh, hd, rope);
     // The value projection lands in `dkv_tok`, free until backward.
-    be.linear_fwd_pair(&mut g.kv_tok, &w.k_proj, &mut g.dkv_tok, &w.v_proj, xn1, n, nkv * hd, d);
+    let k_out = if m.qk_norm { &mut a.k_raw } else { &mut g.kv_tok };
+    be.linear_fwd_pair(k_out, &w.k_proj, &mut g.dkv_tok, &w.v_proj, xn1, n, nkv * hd, d);
+    norm_heads(be, m, &mut g.kv_tok, &mut a.rstd_k, &a.k_raw, w.k_norm.as_ref());
     poke();
     be.tokens_to_heads(&mut a.k, &g.kv_tok, b, s, nkv, hd, rope);
     be.tokens_to_heads(&mut a.v, &g.dkv_tok, b, s, nkv, hd, None);
@@ -80,6 +87,38 @@ pub(super) fn block_fwd<T: Real, B: Backend<T>>(
     be.linear_fwd(tp.partial(out, &mut g.full_b), &a.h, &w.down_proj, n, d, f, false);
     tp.finish(out, &g.full_b);
     be.add_assign(out, &a.x1);
+}
+
+/// Qwen3's RMSNorm of each head of `raw` (token-major `[N, heads·hd]`) into `y`, statistics
+/// into `rstd [N·heads]`; nothing without a norm weight (`qk_norm` off).
+fn norm_heads<T: Real, B: Backend<T>>(be: &B, m: &Dims, y: &mut B::Buf, rstd: &mut B::Buf, raw: &B::Buf, w: Option<&B::Buf>) {
+    if let Some(w) = w {
+        be.rmsnorm_fwd(y, rstd, raw, w, m.hd, m.norm_eps);
+    }
+}
+
+/// The backward of [`norm_heads`]: the gradient of the raw projection into `dx` from that of
+/// the normed heads `dy` (its weight's gradient into `sink`), and which of the two holds the
+/// projection's output gradient.
+#[allow(clippy::too_many_arguments)]
+fn norm_heads_bwd<'a, T: Real, B: Backend<T>>(
+    be: &B,
+    m: &Dims,
+    sink: &mut WeightGrads<B::Buf>,
+    which: Norm,
+    dx: &'a mut B::Buf,
+    dy: &'a B::Buf,
+    raw: &B::Buf,
+    rstd: &B::Buf,
+    w: Option<&B::Buf>,
+) -> &'a B::Buf {
+    match w {
+        None => dy,
+        Some(w) => {
+            be.rmsnorm_bwd(dx, norm_slot(be, sink, which), dy, raw, w, rstd, m.hd, false);
+            dx
+        }
+    }
 }
 
 /// `selective` checkpointing's recomputation: the activations [`block_fwd`] derives by one
@@ -181,19 +220,33 @@ fn proj_bwd<T: Real, B: Backend<T>>(
     }
 }
 
-/// The norm weight's gradient slot of a block's backward: the gradient now, or (zero bubble)
-/// the kept one, zeroed.
-fn norm_slot<'a, T: Real, B: Backend<T>>(be: &B, sink: &'a mut WeightGrads<B::Buf>, second: bool) -> &'a mut B::Buf {
+/// A block's norm weights.
+#[derive(Clone, Copy)]
+enum Norm {
+    Input,
+    PostAttention,
+    Q,
+    K,
+}
+
+/// A norm weight's gradient slot of a block's backward: the gradient now, or (zero bubble) the
+/// kept one, zeroed.
+fn norm_slot<'a, T: Real, B: Backend<T>>(be: &B, sink: &'a mut WeightGrads<B::Buf>, which: Norm) -> &'a mut B::Buf {
+    const QK: &str = "a q/k norm gradient exists exactly with qk_norm";
     match sink {
-        WeightGrads::Now(dw) => {
-            if second {
-                &mut dw.post_attention_layernorm
-            } else {
-                &mut dw.input_layernorm
-            }
-        }
+        WeightGrads::Now(dw) => match which {
+            Norm::Input => &mut dw.input_layernorm,
+            Norm::PostAttention => &mut dw.post_attention_layernorm,
+            Norm::Q => dw.q_norm.as_mut().expect(QK),
+            Norm::K => dw.k_norm.as_mut().expect(QK),
+        },
         WeightGrads::Deferred(k) => {
-            let slot = if second { &mut k.dnorm2 } else { &mut k.dnorm1 };
+            let slot = match which {
+                Norm::Input => &mut k.dnorm1,
+                Norm::PostAttention => &mut k.dnorm2,
+                Norm::Q => &mut k.dq_norm,
+                Norm::K => &mut k.dk_norm,
+            };
             be.fill(slot, T::ZERO);
             slot
         }
@@ -209,6 +262,10 @@ pub(super) fn block_bwd_weight<T: Real, B: Backend<T>>(be: &B, m: &Dims, n: usiz
     }
     be.add_assign(&mut dw.input_layernorm, &k.dnorm1);
     be.add_assign(&mut dw.post_attention_layernorm, &k.dnorm2);
+    if let (Some(q), Some(kn)) = (dw.q_norm.as_mut(), dw.k_norm.as_mut()) {
+        be.add_assign(q, &k.dq_norm);
+        be.add_assign(kn, &k.dk_norm);
+    }
 }
 
 /// One decoder block backward. `dx` holds the gradient of the block output on entry and of
@@ -245,7 +302,7 @@ pub(super) fn block_bwd<T: Real, B: Backend<T>>(
     tp.finish(&mut g.dxn, &g.full_b);
     // dx1 = dout (residual) + norm2 backward.
     be.copy(&mut g.dx1, dx);
-    be.rmsnorm_bwd(&mut g.dx1, norm_slot(be, &mut dw, true), &g.dxn, &a.x1, &w.post_attention_layernorm, &a.rstd2, d, true);
+    be.rmsnorm_bwd(&mut g.dx1, norm_slot(be, &mut dw, Norm::PostAttention), &g.dxn, &a.x1, &w.post_attention_layernorm, &a.rstd2, d, true);
 
     // Attention: x1 = x + o(att_tok).
     let dx1 = tp.gather(&g.dx1, &mut g.full_a);
@@ -259,16 +316,20 @@ pub(super) fn block_bwd<T: Real, B: Backend<T>>(
     // is a partial sum over the column-parallel heads, reduced into this rank's rows.
     let xn1 = tp.gather(&a.xn1, &mut g.full_a);
     let partial = tp.partial(&mut g.dxn, &mut g.full_b);
+    // With `qk_norm` the per-head norms' backward turns the heads' gradients into the raw
+    // projections' (in the forward scratch `q_tok` / `kv_tok`, free now).
     be.heads_to_tokens(&mut g.d_tok, &g.dq, b, s, nh, hd, rope);
-    proj_bwd(ctx, &mut dw, Proj::Q, partial, false, &g.d_tok, xn1, &w.q_proj);
+    let dq = norm_heads_bwd(be, m, &mut dw, Norm::Q, &mut g.q_tok, &g.d_tok, &a.q_raw, &a.rstd_q, w.q_norm.as_ref());
+    proj_bwd(ctx, &mut dw, Proj::Q, partial, false, dq, xn1, &w.q_proj);
     poke();
     be.heads_to_tokens(&mut g.dkv_tok, &g.dk, b, s, nkv, hd, rope);
-    proj_bwd(ctx, &mut dw, Proj::K, partial, true, &g.dkv_tok, xn1, &w.k_proj);
+    let dk = norm_heads_bwd(be, m, &mut dw, Norm::K, &mut g.kv_tok, &g.dkv_tok, &a.k_raw, &a.rstd_k, w.k_norm.as_ref());
+    proj_bwd(ctx, &mut dw, Proj::K, partial, true, dk, xn1, &w.k_proj);
     poke();
     be.heads_to_tokens(&mut g.dkv_tok, &g.dv, b, s, nkv, hd, None);
     proj_bwd(ctx, &mut dw, Proj::V, partial, true, &g.dkv_tok, xn1, &w.v_proj);
     tp.finish(&mut g.dxn, &g.full_b);
     // dx = dx1 (residual) + norm1 backward.
     be.copy(dx, &g.dx1);
-    be.rmsnorm_bwd(dx, norm_slot(be, &mut dw, false), &g.dxn, &a.x, &w.input_layernorm, &a.rstd1, d, true);
+    be.rmsnorm_bwd(dx, norm_slot(be, &mut dw, Norm::Input), &g.dxn, &a.x, &w.input_layernorm, &a.rstd1, d, true);
 }

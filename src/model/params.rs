@@ -24,6 +24,8 @@ pub struct Layer<V> {
     pub k_proj: V,                   // [KV*hd, D]
     pub v_proj: V,                   // [KV*hd, D]
     pub o_proj: V,                   // [D, H*hd]
+    pub q_norm: Option<V>,           // [hd], with `[model] qk_norm`
+    pub k_norm: Option<V>,           // [hd], with `[model] qk_norm`
     pub post_attention_layernorm: V, // [D]
     pub gate_proj: V,                // [F, D]
     pub up_proj: V,                  // [F, D]
@@ -83,6 +85,8 @@ pub struct Dims {
     /// Key/value heads on this rank (`KV_local`).
     pub kv_heads_local: usize,
     pub hd: usize,
+    /// Each head's q and k pass an RMSNorm before RoPE (Qwen3).
+    pub qk_norm: bool,
     /// FFN hidden features on this rank (`F_local`).
     pub ffn_local: usize,
     pub rope_theta: f64,
@@ -109,6 +113,7 @@ impl Dims {
             heads_local: cfg.n_heads / tp,
             kv_heads_local: cfg.n_kv_heads / tp,
             hd: cfg.head_dim(),
+            qk_norm: cfg.qk_norm,
             ffn_local: cfg.ffn_hidden / tp,
             rope_theta: cfg.rope_theta,
             norm_eps: cfg.norm_eps,
@@ -162,6 +167,10 @@ pub struct ParamSpec {
     pub kind: ParamKind,
     pub split: TpSplit,
     pub tp_rank: usize,
+    /// A replicated tensor that acts on this rank's heads only (`q_norm`, `k_norm`): each tp
+    /// rank's gradient is a partial sum over the heads, to be summed over `tp` whether or not
+    /// the sequence is split.
+    pub per_head: bool,
 }
 
 impl ParamSpec {
@@ -207,7 +216,7 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
             TpSplit::Rows => vec![shape[0] * tp, shape[1]],
             TpSplit::Cols => vec![shape[0], shape[1] * tp],
         };
-        ParamSpec { name, shape, global_shape, kind, split, tp_rank: m.tp_rank }
+        ParamSpec { name, shape, global_shape, kind, split, tp_rank: m.tp_rank, per_head: false }
     };
     use TpSplit::*;
     let mut out = vec![];
@@ -221,6 +230,12 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
         out.push(spec(format!("{p}self_attn.k_proj.weight"), vec![kv, d], Rows, ParamKind::Matrix));
         out.push(spec(format!("{p}self_attn.v_proj.weight"), vec![kv, d], Rows, ParamKind::Matrix));
         out.push(spec(format!("{p}self_attn.o_proj.weight"), vec![d, q], Cols, ParamKind::ResidualMatrix));
+        if m.qk_norm {
+            for which in ["q_norm", "k_norm"] {
+                let norm = spec(format!("{p}self_attn.{which}.weight"), vec![m.hd], Replicated, ParamKind::Norm);
+                out.push(ParamSpec { per_head: true, ..norm });
+            }
+        }
         out.push(spec(format!("{p}post_attention_layernorm.weight"), vec![d], Replicated, ParamKind::Norm));
         out.push(spec(format!("{p}mlp.gate_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
         out.push(spec(format!("{p}mlp.up_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
@@ -293,6 +308,8 @@ impl<V> Layer<V> {
             k_proj: alloc(kv * d),
             v_proj: alloc(kv * d),
             o_proj: alloc(d * q),
+            q_norm: m.qk_norm.then(|| alloc(m.hd)),
+            k_norm: m.qk_norm.then(|| alloc(m.hd)),
             post_attention_layernorm: alloc(d),
             gate_proj: alloc(f * d),
             up_proj: alloc(f * d),
@@ -301,32 +318,19 @@ impl<V> Layer<V> {
     }
 
     /// The block's tensors in `param_specs` order.
-    pub fn tensors(&self) -> [&V; 9] {
-        [
-            &self.input_layernorm,
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-            &self.o_proj,
-            &self.post_attention_layernorm,
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
-        ]
+    pub fn tensors(&self) -> Vec<&V> {
+        let mut out = vec![&self.input_layernorm, &self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
+        out.extend(self.q_norm.iter().chain(&self.k_norm));
+        out.extend([&self.post_attention_layernorm, &self.gate_proj, &self.up_proj, &self.down_proj]);
+        out
     }
 
-    pub fn tensors_mut(&mut self) -> [&mut V; 9] {
-        [
-            &mut self.input_layernorm,
-            &mut self.q_proj,
-            &mut self.k_proj,
-            &mut self.v_proj,
-            &mut self.o_proj,
-            &mut self.post_attention_layernorm,
-            &mut self.gate_proj,
-            &mut self.up_proj,
-            &mut self.down_proj,
-        ]
+    /// [`Layer::tensors`], mutably.
+    pub fn tensors_mut(&mut self) -> Vec<&mut V> {
+        let mut out = vec![&mut self.input_layernorm, &mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.o_proj];
+        out.extend(self.q_norm.iter_mut().chain(&mut self.k_norm));
+        out.extend([&mut self.post_attention_layernorm, &mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]);
+        out
     }
 
     /// The same block with `f` applied to every tensor (e.g. copied to a device).
@@ -337,6 +341,8 @@ impl<V> Layer<V> {
             k_proj: f(&self.k_proj),
             v_proj: f(&self.v_proj),
             o_proj: f(&self.o_proj),
+            q_norm: self.q_norm.as_ref().map(&mut f),
+            k_norm: self.k_norm.as_ref().map(&mut f),
             post_attention_layernorm: f(&self.post_attention_layernorm),
             gate_proj: f(&self.gate_proj),
             up_proj: f(&self.up_proj),

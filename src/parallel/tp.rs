@@ -139,15 +139,16 @@ pub fn global_from_local(local: &ModelParams<f32>, cfg: &ModelCfg, tp: &Group) -
 ///   norm's all-gather and reduce-scatter;
 ///
 /// and always three `[tokens]` all-reduces of the vocab-parallel cross entropy. Once per step:
-/// the 8-byte squared norm and, with sequence parallelism, the replicated (norm) tensors'
-/// gradients (`replicated_shard_elems` elements on this rank).
+/// the 8-byte squared norm and the gradients of the replicated tensors each tp rank computes in
+/// part (`partial_shard_elems` elements on this rank: the per-head q/k norms, and with
+/// sequence parallelism every norm).
 pub fn predicted_tp_bytes(
     m: &Dims,
     tokens: usize,
     grad_accum: usize,
     recompute: bool,
     sequence_parallel: bool,
-    replicated_shard_elems: usize,
+    partial_shard_elems: usize,
     chunks: usize,
 ) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
@@ -167,9 +168,9 @@ pub fn predicted_tp_bytes(
     if sequence_parallel {
         out.insert("tp.all_gather".into(), ga * nd4 * (6 * l + 2 * rl + e + h));
         out.insert("tp.reduce_scatter".into(), ga * nd4 * (4 * l + rl + e + h));
-        out.insert("tp.all_reduce".into(), ce + 8 + replicated_shard_elems as u64 * 4);
+        out.insert("tp.all_reduce".into(), ce + 8 + partial_shard_elems as u64 * 4);
     } else {
-        out.insert("tp.all_reduce".into(), ga * nd4 * (e + h + 4 * l + rl) + ce + 8);
+        out.insert("tp.all_reduce".into(), ga * nd4 * (e + h + 4 * l + rl) + ce + 8 + partial_shard_elems as u64 * 4);
     }
     out
 }

@@ -237,9 +237,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let loss = global_loss_sum(mesh, loss_sum) / n_tok;
         let grads = &mut self.state.grads;
         grads.finish_step();
-        if self.par.tp.sequence_parallel {
-            grads.sum_replicated_over(self.par.comms.tp);
-        }
+        grads.sum_partial_over_tp(self.par.comms.tp, self.par.tp.sequence_parallel);
         sum_tied_embedding(grads, &mesh.pp);
         if let Some(fault) = self.faults.nan_grad.clone().filter(|f| f.fires(mesh.world.rank(), step + 1)) {
             self.poison(&fault)?;

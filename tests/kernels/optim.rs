@@ -55,6 +55,8 @@ fn check_adamw_model<T: Real>(tie: bool) {
         n_layers: 2,
         n_heads: 2,
         n_kv_heads: 1,
+        head_dim: 0,
+        qk_norm: false,
         ffn_hidden: 12,
         max_seq_len: 8,
         rope_theta: 10_000.0,

@@ -3,7 +3,9 @@
 
 For each case (``untied``: vocab 100; ``tied``: vocab 96 with ``tie_word_embeddings``) it builds a
 small ``LlamaForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 160), seeded,
-on the CPU in f32 with eager attention, and writes under ``<out>/<case>/``:
+on the CPU in f32 with eager attention; the ``qwen3`` case is the same shape as a
+``Qwen3ForCausalLM`` (vocab 100, untied) with ``head_dim`` 24 (not hidden / heads = 16) and
+Qwen3's per-head q/k RMSNorm. Each case writes under ``<out>/<case>/``:
 
 * ``config.json`` + ``model.safetensors``: the model, via ``save_pretrained`` (what
   ``ndtrain::hf::load_params`` reads);
@@ -36,6 +38,9 @@ the optimiser settings from it, so they live in one place.
 Run from the repository root (takes a few seconds):
 
     /opt/refvenv/bin/python tests/reference/generate.py            # writes tests/reference/data
+    /opt/refvenv/bin/python tests/reference/generate.py --case qwen3
+        # (re)writes only that case; meta.json keeps the others and records, per case, the
+        # versions and date it was made with
     /opt/refvenv/bin/python tests/reference/generate.py --check-load DIR
         # loads a folder written by ndtrain::hf::save_params with from_pretrained and prints
         # its logits on the untied case's tokens next to the reference (manual interop check).
@@ -57,8 +62,9 @@ import torch.nn.functional as F
 import transformers
 import safetensors
 from safetensors.torch import save_file, load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama import modeling_llama
+from transformers.models.qwen3 import modeling_qwen3
 
 SEED = 20240601
 BATCH = 2
@@ -86,7 +92,11 @@ MODEL = dict(
 CASES = {
     "untied": dict(vocab_size=100, tie_word_embeddings=False),
     "tied": dict(vocab_size=96, tie_word_embeddings=True),
+    # Qwen3's attention: a head width apart from hidden / heads, and q/k normed per head.
+    "qwen3": dict(arch="qwen3", vocab_size=100, tie_word_embeddings=False, head_dim=24),
 }
+# Each case's generator seed is SEED + its position here (the first two as they always were).
+CASE_SEED_OFFSET = {name: i for i, name in enumerate(CASES)}
 OPTIM = dict(
     lr=1e-2,
     min_lr=1e-3,
@@ -112,9 +122,15 @@ def lr_lambda(s: int) -> float:
     return (min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * p))) / lr
 
 
-def build(case: dict, gen: torch.Generator) -> LlamaForCausalLM:
-    cfg = LlamaConfig(**MODEL, **case, attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+def build(case: dict, gen: torch.Generator) -> torch.nn.Module:
+    case = dict(case)
+    if case.pop("arch", "llama") == "qwen3":
+        model_kwargs = {k: v for k, v in MODEL.items() if k != "mlp_bias"}  # Qwen3 has no MLP bias key
+        cfg = Qwen3Config(**model_kwargs, **case, use_sliding_window=False, attn_implementation="eager")
+        model = Qwen3ForCausalLM(cfg).to(torch.float32)
+    else:
+        cfg = LlamaConfig(**MODEL, **case, attn_implementation="eager")
+        model = LlamaForCausalLM(cfg).to(torch.float32)
     model.eval()  # no dropout (attention_dropout is 0.0 anyway)
     with torch.no_grad():
         for _, p in model.named_parameters():  # tied lm_head appears once, as embed_tokens
@@ -165,16 +181,13 @@ def train(model: LlamaForCausalLM, train_tokens: torch.Tensor, label: str):
 
 @contextlib.contextmanager
 def pure_f64():
-    """Lets a .double() LlamaForCausalLM compute everything in f64.
+    """Lets a .double() LlamaForCausalLM or Qwen3ForCausalLM compute everything in f64.
 
     transformers computes RMSNorm, the attention softmax and the RoPE angles in f32 whatever
     the model's dtype (right for bf16 training, but it caps a f64 model at f32 precision). Inside
     this block those three compute in the input's dtype instead; for an f32 model nothing
     changes. RoPE keeps inv_freq rounded to f32 (as transformers, and ndtrain, compute it).
     """
-    m = modeling_llama
-    saved = (m.LlamaRMSNorm.forward, m.LlamaRotaryEmbedding.forward, m.eager_attention_forward)
-
     def rmsnorm(self, x):
         var = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
@@ -185,22 +198,29 @@ def pure_f64():
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        k = m.repeat_kv(key, module.num_key_value_groups)
-        v = m.repeat_kv(value, module.num_key_value_groups)
-        w = torch.matmul(query, k.transpose(2, 3)) * scaling
-        if attention_mask is not None:
-            w = w + attention_mask
-        w = torch.nn.functional.softmax(w, dim=-1)
-        return torch.matmul(w, v).transpose(1, 2).contiguous(), w
+    def attention_of(m):
+        def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+            k = m.repeat_kv(key, module.num_key_value_groups)
+            v = m.repeat_kv(value, module.num_key_value_groups)
+            w = torch.matmul(query, k.transpose(2, 3)) * scaling
+            if attention_mask is not None:
+                w = w + attention_mask
+            w = torch.nn.functional.softmax(w, dim=-1)
+            return torch.matmul(w, v).transpose(1, 2).contiguous(), w
 
-    m.LlamaRMSNorm.forward = rmsnorm
-    m.LlamaRotaryEmbedding.forward = rotary
-    m.eager_attention_forward = attention
+        return attention
+
+    families = [(modeling_llama, "Llama"), (modeling_qwen3, "Qwen3")]
+    saved = []
+    for m, prefix in families:
+        norm, rope = getattr(m, prefix + "RMSNorm"), getattr(m, prefix + "RotaryEmbedding")
+        saved.append((m, norm, rope, norm.forward, rope.forward, m.eager_attention_forward))
+        norm.forward, rope.forward, m.eager_attention_forward = rmsnorm, rotary, attention_of(m)
     try:
         yield
     finally:
-        m.LlamaRMSNorm.forward, m.LlamaRotaryEmbedding.forward, m.eager_attention_forward = saved
+        for m, norm, rope, norm_fwd, rope_fwd, attention in saved:
+            norm.forward, rope.forward, m.eager_attention_forward = norm_fwd, rope_fwd, attention
 
 
 def stats(x: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
@@ -218,7 +238,7 @@ def save_model(model: LlamaForCausalLM, path: str) -> None:
 
 
 def run_case(name: str, case: dict, out: str, meta: dict) -> None:
-    gen = torch.Generator().manual_seed(SEED + (0 if name == "untied" else 1))
+    gen = torch.Generator().manual_seed(SEED + CASE_SEED_OFFSET[name])
     model = build(case, gen)
     v = case["vocab_size"]
     path = os.path.join(out, name)
@@ -287,6 +307,7 @@ def run_case(name: str, case: dict, out: str, meta: dict) -> None:
         f64_train_losses=losses64,
         f64_train_grad_norms=norms64,
         final_tensors="all" if not case["tie_word_embeddings"] else ["model.embed_tokens.weight"],
+        made_with={k: meta[k] for k in ("date", "torch", "transformers", "safetensors", "python")},
     )
 
 
@@ -313,6 +334,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(here, "data"))
     ap.add_argument("--check-load", metavar="DIR", help="from_pretrained a save_params folder")
+    ap.add_argument("--case", action="append", choices=list(CASES), help="only these cases (repeatable)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)  # one summation order, independent of the machine's core count
@@ -343,9 +365,24 @@ def main() -> None:
         cases={},
     )
     os.makedirs(args.out, exist_ok=True)
-    for name, case in CASES.items():
-        run_case(name, case, args.out, meta)
-    with open(os.path.join(args.out, "meta.json"), "w") as f:
+    meta_path = os.path.join(args.out, "meta.json")
+    if args.case:
+        # Keep what the other cases were made with; top-level versions stay those of the last
+        # full run, each case's own are in its made_with.
+        with open(meta_path) as f:
+            old = json.load(f)
+        for k in ("generator", "date", "python", "torch", "transformers", "safetensors", "machine", "torch_cpu_capability"):
+            meta[k] = old.get(k, meta[k])
+        meta["cases"] = old["cases"]
+        meta_now = dict(meta, date=datetime.date.today().isoformat(), python=platform.python_version(),
+                        torch=torch.__version__, transformers=transformers.__version__,
+                        safetensors=safetensors.__version__)
+    else:
+        meta_now = meta
+    for name in args.case or list(CASES):
+        run_case(name, CASES[name], args.out, meta_now)
+        meta["cases"][name] = meta_now["cases"][name]
+    with open(meta_path, "w") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
     total = sum(

@@ -115,6 +115,8 @@ mod tests {
             n_layers: 2,
             n_heads: 4,
             n_kv_heads: 4,
+            head_dim: 0,
+            qk_norm: false,
             ffn_hidden: 12,
             max_seq_len: 16,
             rope_theta: 1e4,

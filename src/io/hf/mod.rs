@@ -47,6 +47,8 @@ const CONFIG_FLOAT_REL_TOL: f64 = 1e-12;
 
 /// Defaults `transformers.LlamaConfig` uses for keys a `config.json` may omit.
 const HF_DEFAULT_ROPE_THETA: f64 = 10000.0;
+/// `Qwen3Config`'s `head_dim` when a `qwen3` config.json omits it.
+const QWEN3_DEFAULT_HEAD_DIM: usize = 128;
 const HF_DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 
 fn read_config(dir: &Path) -> Result<Value, HfError> {
@@ -61,8 +63,9 @@ fn read_config(dir: &Path) -> Result<Value, HfError> {
 /// `num_attention_heads`, `num_key_value_heads`, `intermediate_size` (= `ffn_hidden`),
 /// `rope_theta`, `rms_norm_eps` and `tie_word_embeddings`; a mismatch names the HF key, the deck
 /// key and both values. Also rejects what ndtrain does not implement: `hidden_act` other than
-/// `silu`, attention or MLP biases, RoPE scaling, and a `head_dim` other than
-/// `d_model / n_heads`. Keys the file omits take `LlamaConfig`'s defaults.
+/// `silu`, attention or MLP biases, RoPE scaling and sliding windows; checks `model_type`,
+/// `head_dim` and the q/k norm against `[model] head_dim` and `qk_norm`. Keys the file omits
+/// take `LlamaConfig`'s defaults (`Qwen3Config`'s head width for `qwen3`).
 pub fn check_config(dir: &Path, cfg: &ModelCfg) -> Result<(), HfError> {
     let c = read_config(dir)?;
     let file = dir.join("config.json");
@@ -151,15 +154,33 @@ pub fn check_config(dir: &Path, cfg: &ModelCfg) -> Result<(), HfError> {
             return err(format!("{file}: {key} = true; ndtrain's Llama has no biases"));
         }
     }
-    if let Some(hd) = int("head_dim")? {
-        if hd != cfg.head_dim() as u64 {
-            return err(format!(
-                "{file}: head_dim = {hd}, but ndtrain uses d_model / n_heads = {} / {} = {}",
-                cfg.d_model,
-                cfg.n_heads,
-                cfg.head_dim()
-            ));
-        }
+    check_attention(&c, cfg, &file.to_string(), int("head_dim")?)
+}
+
+/// The attention's family: `model_type` `llama` (or absent) has no q/k norm and a head width of
+/// `hidden_size / num_attention_heads` unless `head_dim` says otherwise; `qwen3` has the
+/// per-head q/k norm and `head_dim` (128 when omitted, as `Qwen3Config`), and no sliding window.
+fn check_attention(c: &Value, cfg: &ModelCfg, file: &str, head_dim: Option<u64>) -> Result<(), HfError> {
+    let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("llama");
+    let (qk_norm, default_hd) = match model_type {
+        "llama" => (false, cfg.d_model / cfg.n_heads),
+        "qwen3" => (true, QWEN3_DEFAULT_HEAD_DIM),
+        other => return err(format!("{file}: model_type = \"{other}\"; ndtrain reads \"llama\" and \"qwen3\" models")),
+    };
+    if qk_norm != cfg.qk_norm {
+        return err(format!(
+            "{file}: model_type = \"{model_type}\" {} a per-head q/k norm, but the deck has [model] qk_norm = {}",
+            if qk_norm { "has" } else { "has no" },
+            cfg.qk_norm
+        ));
+    }
+    if c.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        return err(format!("{file}: use_sliding_window = true; ndtrain implements only full causal attention"));
+    }
+    let hd = head_dim.unwrap_or(default_hd as u64);
+    if hd != cfg.head_dim() as u64 {
+        let deck = if cfg.head_dim > 0 { String::new() } else { format!(" = d_model({}) / n_heads({})", cfg.d_model, cfg.n_heads) };
+        return err(format!("{file}: head_dim = {hd}, but the deck has [model] head_dim{deck} = {}", cfg.head_dim()));
     }
     Ok(())
 }
@@ -196,9 +217,10 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
 /// The `config.json` [`save_params`] writes: the keys of both transformers 4.x (`rope_theta`,
 /// `rope_scaling`) and 5.x (`rope_parameters`), so either loads it.
 fn config_json(cfg: &ModelCfg) -> Value {
-    json!({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    let (architecture, model_type) = if cfg.qk_norm { ("Qwen3ForCausalLM", "qwen3") } else { ("LlamaForCausalLM", "llama") };
+    let mut config = json!({
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_hidden,
@@ -221,7 +243,11 @@ fn config_json(cfg: &ModelCfg) -> Value {
         "use_cache": true,
         "torch_dtype": "float32",
         "dtype": "float32",
-    })
+    });
+    if cfg.qk_norm {
+        config["use_sliding_window"] = json!(false);
+    }
+    config
 }
 
 #[cfg(test)]
@@ -239,6 +265,8 @@ mod tests {
             n_layers: 2,
             n_heads: 4,
             n_kv_heads: 2,
+            head_dim: 0,
+            qk_norm: false,
             ffn_hidden: 24,
             max_seq_len: 32,
             rope_theta: 500000.0,
@@ -344,13 +372,16 @@ mod tests {
     #[test]
     fn unsupported_architectures_are_errors() {
         let cfg = small(false);
-        let edits: [(&str, Value, &str); 6] = [
+        let edits: [(&str, Value, &str); 9] = [
             ("hidden_act", json!("gelu"), "hidden_act = \"gelu\""),
             ("attention_bias", json!(true), "attention_bias = true"),
             ("mlp_bias", json!(true), "mlp_bias = true"),
             ("rope_scaling", json!({"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
             ("rope_parameters", json!({"rope_type": "yarn", "rope_theta": 500000.0}), "rope_type = \"yarn\""),
             ("head_dim", json!(8), "head_dim = 8"),
+            ("model_type", json!("mistral"), "model_type = \"mistral\""),
+            ("model_type", json!("qwen3"), "has a per-head q/k norm, but the deck has [model] qk_norm = false"),
+            ("use_sliding_window", json!(true), "use_sliding_window = true"),
         ];
         for (key, value, want) in edits {
             let dir = tempfile::tempdir().unwrap();

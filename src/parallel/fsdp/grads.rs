@@ -196,11 +196,15 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
         sum
     }
 
-    /// With sequence parallelism each tp rank's gradient of a replicated tensor (norm
-    /// weights) covers only its rows of the sequence: sum them across `tp`.
-    pub fn sum_replicated_over(&mut self, tp: &dyn Collective<B::Buf>) {
+    /// Sums over `tp` the gradients of the replicated tensors that each tp rank computed only
+    /// in part: every one under sequence parallelism (each rank saw only its rows of the
+    /// sequence), and the per-head norms always (each rank saw only its heads).
+    pub fn sum_partial_over_tp(&mut self, tp: &dyn Collective<B::Buf>, sequence_parallel: bool) {
+        if tp.degree() == 1 {
+            return;
+        }
         for (u, t, range) in self.plan.slot_ranges() {
-            if t.tp_replicated {
+            if t.tp_replicated && (sequence_parallel || t.per_head) {
                 tp.all_reduce_sum_range(&mut self.shards[u], range);
             }
         }

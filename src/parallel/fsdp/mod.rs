@@ -41,6 +41,9 @@ pub struct TensorShard {
     pub decayed: bool,
     /// Held whole by every tp rank (norm weights): counted once in the global norm.
     pub tp_replicated: bool,
+    /// Acts on this tp rank's heads only (`q_norm`, `k_norm`): its gradient is a partial sum
+    /// over tp whether or not the sequence is split.
+    pub per_head: bool,
     /// The last pipeline stage's copy of a tied `embed_tokens` (the first stage's is the
     /// one counted in the norm and written to checkpoints).
     pub tied_copy: bool,
@@ -98,6 +101,7 @@ impl ShardPlan {
                 offset: u.shard_len,
                 decayed: spec.decayed(),
                 tp_replicated: spec.split == TpSplit::Replicated,
+                per_head: spec.per_head,
                 tied_copy: spec.name == "model.embed_tokens.weight" && !m.embed,
             };
             u.shard_len += t.shard_len();

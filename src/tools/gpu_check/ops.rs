@@ -406,6 +406,8 @@ impl Pair {
             n_layers: 2,
             n_heads: 8,
             n_kv_heads: 2,
+            head_dim: 0,
+            qk_norm: false,
             ffn_hidden: 688,
             max_seq_len: 256,
             ..ModelCfg::default()

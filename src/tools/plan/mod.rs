@@ -192,11 +192,13 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
     let l = res.layout;
     let mut out = fsdp_bytes(shards, l.dp_replicate, l.dp(), res.grad_accum, deck.parallel.reshard_after_forward);
     let recompute = deck.train.activation_checkpointing == ActCkpt::Full;
-    let replicated: usize = shards.units.iter().flat_map(|u| &u.tensors).filter(|t| t.tp_replicated).map(|t| t.shard_len()).sum();
+    let sp = deck.parallel.sequence_parallel;
+    let partial: usize =
+        shards.units.iter().flat_map(|u| &u.tensors).filter(|t| t.tp_replicated && (sp || t.per_head)).map(|t| t.shard_len()).sum();
     let s_local = deck.train.seq_len / l.cp;
     let tokens = deck.train.micro_batch * s_local;
     let chunks = res.stage_layers.len() / l.pp;
-    out.extend(tp::predicted_tp_bytes(dims, tokens, res.grad_accum, recompute, deck.parallel.sequence_parallel, replicated, chunks));
+    out.extend(tp::predicted_tp_bytes(dims, tokens, res.grad_accum, recompute, sp, partial, chunks));
     if l.cp > 1 {
         let ring = cp::predicted_ring_bytes(dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute, chunks);
         out.insert("cp.ring".into(), ring);
