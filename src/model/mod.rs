@@ -21,6 +21,7 @@ mod block;
 pub mod hooks;
 pub mod params;
 pub mod positions;
+pub mod router;
 
 pub use activations::{ActivationMemory, Rows};
 
