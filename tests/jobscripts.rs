@@ -5,7 +5,8 @@
 //! SIGTERM to the script that checkpoints every rank, resubmits the job and is resumed by the
 //! resubmitted job; the qsub options kept from `Submit_arguments`, the setup hook, Open MPI's
 //! and HPE/Cray PALS's binding. And an installed ndtrain: the scripts of a copy of the install
-//! prefix, run from another folder, find their deck, binary and setup file.
+//! prefix, run from another folder, find their deck, binary and setup file; and the Slurm
+//! script's requeues capped by `MAX_REQUEUES`.
 
 mod common;
 
@@ -541,4 +542,62 @@ fn installed_job_scripts_run_from_any_folder() {
     assert!(!timed_out && o.status.success(), "{}", text(&o));
     assert!(text(&o).contains(&format!("{installed_bin} train {}/my.toml", w.display())), "{}", text(&o));
     assert_eq!(losses(&out).1.len(), 2);
+}
+
+/// The Slurm script as Slurm runs it (a spool copy; a stand-in `scontrol` that names the
+/// submitted script and records `requeue`), its job stopped with a checkpoint by itself
+/// (`run.max_walltime`): requeued while `SLURM_RESTART_COUNT` is below `MAX_REQUEUES`, not at it
+/// (exit 75, the checkpoint kept).
+#[test]
+fn the_slurm_script_requeues_at_most_max_requeues_times() {
+    let fake = tempfile::tempdir().unwrap();
+    let f = fake.path();
+    std::fs::create_dir_all(f.join("bin")).unwrap();
+    std::fs::create_dir_all(f.join("spool")).unwrap();
+    std::fs::copy(repo().join("jobscripts/slurm/train.sbatch"), f.join("spool/slurm_script")).unwrap();
+    let requeued = f.join("requeued");
+    write_script(
+        &f.join("bin/scontrol"),
+        &format!(
+            "#!/bin/sh\nif [ \"$1\" = requeue ]; then echo \"$2\" >> '{}'; exit 0; fi\necho '   Command={}'\n",
+            requeued.display(),
+            repo().join("jobscripts/slurm/train.sbatch").display()
+        ),
+    );
+    let job = |restarts: &str, name: &str| {
+        let out = f.join(name);
+        let mut cmd = Command::new("bash");
+        mpi_env(&mut cmd)
+            .arg(f.join("spool/slurm_script"))
+            .env("PATH", format!("{}:{}", f.join("bin").display(), std::env::var("PATH").unwrap_or_default()))
+            .env("SLURM_JOB_ID", "9")
+            .env("SLURM_RESTART_COUNT", restarts)
+            .env("MAX_REQUEUES", "2")
+            .env("SLURM_SUBMIT_DIR", f)
+            .env("SLURM_NTASKS", "2")
+            .env("LAUNCH", "mpirun")
+            .env("MPIRUN_ARGS", "--oversubscribe --bind-to none")
+            .env("NDTRAIN", bin())
+            .env("DECK", tiny_deck())
+            .env("SETS", format!("run.steps=200 run.max_walltime=1 parallel.dp_shard=2 run.out_dir=\"{}\"", out.display()))
+            .env(ndtrain::run::faults::STEP_DELAY_ENV, "100")
+            .current_dir(f.join("spool"));
+        for v in ["JOBSCRIPTS", "NDTRAIN_SETUP", "SLURM_CPUS_PER_TASK", "REQUEUE"] {
+            cmd.env_remove(v);
+        }
+        let (o, timed_out) = output_within(&mut cmd, 120);
+        assert!(!timed_out, "{}", text(&o));
+        o
+    };
+    let o = job("1", "first");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("requeue 2 of at most 2 resumes from it"), "{}", text(&o));
+    assert_eq!(std::fs::read_to_string(&requeued).unwrap().trim(), "9");
+
+    std::fs::remove_file(&requeued).unwrap();
+    let o = job("2", "second");
+    assert_eq!(o.status.code(), Some(ndtrain::exit::PREEMPTED), "{}", text(&o));
+    assert!(text(&o).contains("not requeueing: 2 requeues reached MAX_REQUEUES=2"), "{}", text(&o));
+    assert!(!requeued.exists(), "{}", text(&o));
+    assert!(f.join("second/ckpt/latest").exists(), "{}", text(&o));
 }
