@@ -3,7 +3,10 @@
 //! variables, Open MPI's `mpirun` as its `mpiexec`, and `qsub`/`qstat` stand-ins that record what
 //! they were asked): 4 ranks from a nodefile, the threads per rank derived from the chunk, and a
 //! SIGTERM to the script that checkpoints every rank, resubmits the job and is resumed by the
-//! resubmitted job.
+//! resubmitted job; the qsub options kept from `Submit_arguments`, the setup hook, Open MPI's
+//! and HPE/Cray PALS's binding. And an installed ndtrain: the scripts of a copy of the install
+//! prefix, run from another folder, find their deck, binary and setup file; and the Slurm
+//! script's requeues capped by `MAX_REQUEUES`.
 
 mod common;
 
@@ -79,8 +82,13 @@ impl FakePbs {
 
     /// `bash <script>` in the job's environment, with `sets` as `SETS`.
     fn command(&self, script: &str, sets: &str) -> Command {
+        self.command_at(&repo().join(script), sets)
+    }
+
+    /// `bash <path>` in the job's environment, as `command`.
+    fn command_at(&self, script: &Path, sets: &str) -> Command {
         let mut cmd = Command::new("bash");
-        mpi_env(&mut cmd).arg(repo().join(script));
+        mpi_env(&mut cmd).arg(script);
         // What the test machine's environment could add to a job's: none of it.
         for v in ["NCPUS", "OMP_NUM_THREADS", "THREADS", "RESUBMIT", "RESUBMIT_COUNT", "MAX_RESUBMITS", "JOBSCRIPT"] {
             cmd.env_remove(v);
@@ -138,6 +146,8 @@ fn threads_of_pbs_job(pbs: &FakePbs, name: &str, env: &[(&str, &str)], threads: 
     let out = pbs.path().join(name);
     let sets = format!("run.steps=1 optim.warmup_steps=1 run.out_dir=\"{}\"", out.display());
     let mut cmd = pbs.command("jobscripts/pbs/train.pbs", &sets);
+    // Open MPI's automatic binding would need threads × ranks cores: this machine may have 2.
+    cmd.env("MPIEXEC_BIND", "--bind-to none");
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -177,6 +187,15 @@ fn the_pbs_script_derives_threads_per_rank_from_the_chunk() {
     // THREADS wins over what PBS says.
     let log = threads_of_pbs_job(&pbs, "threads", &[("NCPUS", "3"), ("THREADS", "1")], 1);
     assert!(log.contains("threads per rank: 1 (THREADS)"), "{log}");
+
+    // Open MPI, binding left to the script: each rank on cores of its own, as many as its
+    // threads (2 ranks × 1 thread fit any machine of 2 cores).
+    let pbs = FakePbs::new(2, None);
+    let log = threads_of_pbs_job(&pbs, "auto", &[("NCPUS", "2"), ("MPIEXEC_BIND", "auto")], 1);
+    assert!(log.contains(" --map-by ppr:2:node:PE=1 --bind-to core "), "{log}");
+    for rank in 0..2 {
+        assert!(log.contains(&format!(" rank {rank}: cpus {rank}, 1 threads")), "rank {rank} bound to its own core: {log}");
+    }
 }
 
 /// What PBS does at the walltime or on `qdel` (SIGTERM) to the job script alone: the script
@@ -331,4 +350,254 @@ fn the_gpu_check_script_stops_cleanly_without_a_gpu() {
     assert_eq!(o.status.code(), Some(3), "{log}");
     assert!(log.contains("no GPU on this machine") && log.contains("stopping before any"), "{log}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "a dry run writes no result: {log}");
+}
+
+/// Writes an executable script.
+fn write_script(path: &Path, body: &str) {
+    std::fs::write(path, body).unwrap();
+    Command::new("chmod").arg("+x").arg(path).status().unwrap();
+}
+
+/// Every PBS script runs under bash whatever the site's default shell (`#PBS -S /bin/bash`).
+#[test]
+fn every_pbs_script_asks_for_bash() {
+    let mut all = vec![];
+    scripts(&repo().join("jobscripts"), &mut all);
+    let pbs: Vec<&PathBuf> = all.iter().filter(|p| p.extension().is_some_and(|e| e == "pbs")).collect();
+    assert!(pbs.len() >= 2, "{all:?}");
+    for p in pbs {
+        let text = std::fs::read_to_string(p).unwrap();
+        assert!(text.lines().any(|l| l == "#PBS -S /bin/bash"), "{}", p.display());
+    }
+}
+
+/// A PBS job submitted with the user's own qsub options (`-V -A proj -q debug -l ... -v
+/// FOO=bar,DECK=...`), as `qstat -f` shows them in `Submit_arguments`, from a folder that holds
+/// the deck and its `setup.sh`: the setup file is sourced (it puts a fake `ndtrain` wrapper on
+/// `PATH`), and the resubmission passes every one of the user's options again, their `-v`
+/// variables joined to the script's settings. A `NDTRAIN_SETUP` that names no file is an error.
+#[test]
+fn the_pbs_script_sources_the_setup_hook_and_resubmits_with_the_users_qsub_options() {
+    let submit = tempfile::tempdir().unwrap();
+    let s = submit.path();
+    std::fs::copy(tiny_deck(), s.join("deck.toml")).unwrap();
+    std::fs::create_dir(s.join("site")).unwrap();
+    // The site's environment: ndtrain on PATH, as `spack load ndtrain` would put it.
+    write_script(&s.join("site/ndtrain"), &format!("#!/bin/sh\nexec '{}' \"$@\"\n", bin()));
+    std::fs::write(s.join("setup.sh"), format!("export PATH='{}':\"$PATH\"\nexport SITE_SETUP_DONE=1\n", s.join("site").display()))
+        .unwrap();
+    let qstat = format!(
+        "Job Id: 42.pbs-test\n    Job_Name = ndtrain\n    Resource_List.select = 1:ncpus=2:mpiprocs=2\n    Submit_arguments = -V -A proj -q debug \
+         -l walltime=00:30:00 -v FOO=bar,DECK=deck.toml\n\t {}\n",
+        repo().join("jobscripts/pbs/train.pbs").display()
+    );
+    let pbs = FakePbs::new(2, Some(&qstat));
+    let out = pbs.path().join("run");
+    let sets = format!("run.steps=200 run.max_walltime=1 parallel.dp_shard=2 run.out_dir=\"{}\"", out.display());
+    let mut cmd = pbs.command("jobscripts/pbs/train.pbs", &sets);
+    cmd.env_remove("NDTRAIN").env("DECK", "deck.toml").env("PBS_O_WORKDIR", s).env(ndtrain::run::faults::STEP_DELAY_ENV, "100");
+    let (o, timed_out) = output_within(&mut cmd, 120);
+    let log = text(&o);
+    assert!(!timed_out && o.status.success(), "{log}");
+    assert!(log.contains(&format!("+ . {}/setup.sh", s.display())), "{log}");
+    assert!(
+        log.contains(&format!(" ndtrain train {}/deck.toml ", s.display())),
+        "ndtrain from the setup's PATH, the deck from the submit folder: {log}"
+    );
+    let args = pbs.qsub_args().unwrap_or_else(|| panic!("qsub was not called: {log}"));
+    for pair in [["-A", "proj"], ["-q", "debug"], ["-l", "walltime=00:30:00"]] {
+        assert!(args.windows(2).any(|w| w == pair), "qsub {pair:?} missing: {args:?}");
+    }
+    assert!(args.iter().any(|a| a == "-V"), "{args:?}");
+    let names = args.windows(2).find(|w| w[0] == "-v").map(|w| w[1].clone()).unwrap_or_default();
+    assert!(names.split(',').any(|n| n == "FOO=bar"), "the user's variables go on: {names}");
+    assert!(!names.split(',').any(|n| n == "DECK=deck.toml"), "DECK goes on with the job's (absolute) value: {names}");
+    assert_eq!(pbs.qsub_env("DECK"), Some(format!("{}/deck.toml", s.display())));
+    assert_eq!(pbs.qsub_env("SITE_SETUP_DONE").as_deref(), Some("1"));
+
+    let mut cmd = pbs.command("jobscripts/pbs/train.pbs", &sets);
+    cmd.env("NDTRAIN_SETUP", "missing.sh").env("PBS_O_WORKDIR", s);
+    let o = cmd.output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains(&format!("NDTRAIN_SETUP=missing.sh: no such file ({}/missing.sh)", s.display())), "{}", text(&o));
+}
+
+/// On HPE/Cray PALS (`mpiexec --version` names PALS) the script launches with `--ppn` (ranks
+/// per node), `--depth` (threads per rank) and `--cpu-bind depth`, without a host file. The
+/// stand-in `mpiexec` records its arguments instead of starting ranks.
+#[test]
+fn the_pbs_script_launches_with_pals_options_on_cray() {
+    let pbs = FakePbs::new(4, None);
+    let args = pbs.path().join("mpiexec.args");
+    write_script(
+        &pbs.path().join("bin/mpiexec"),
+        &format!(
+            "#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'mpiexec version 1.2.12 (PALS)'; exit 0; fi\nprintf '%s\\n' \"$@\" > '{}'\n",
+            args.display()
+        ),
+    );
+    let mut cmd = pbs.command("jobscripts/pbs/train.pbs", "run.steps=1");
+    cmd.env("MPIEXEC", "mpiexec").env("MPIEXEC_ARGS", "").env("NCPUS", "8");
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let got: Vec<String> = std::fs::read_to_string(&args).unwrap().lines().map(str::to_string).collect();
+    let at = got.iter().position(|a| a == bin()).unwrap_or_else(|| panic!("{got:?}"));
+    assert_eq!(got[..at], ["-n", "4", "--ppn", "4", "--depth", "2", "--cpu-bind", "depth"], "{got:?}");
+    assert!(!got.iter().any(|a| a == "-hostfile"), "{got:?}");
+}
+
+/// A copy of an install prefix (`bin/ndtrain`, `share/ndtrain/{jobscripts,inputs}`, as the
+/// Spack recipe lays it out) in a folder outside the source tree.
+fn install_prefix() -> tempfile::TempDir {
+    let prefix = tempfile::tempdir().unwrap();
+    let p = prefix.path();
+    std::fs::create_dir_all(p.join("bin")).unwrap();
+    std::fs::copy(bin(), p.join("bin/ndtrain")).unwrap();
+    std::fs::create_dir_all(p.join("share/ndtrain")).unwrap();
+    for d in ["jobscripts", "inputs"] {
+        let o = Command::new("cp").arg("-r").arg(repo().join(d)).arg(p.join("share/ndtrain")).output().unwrap();
+        assert!(o.status.success(), "{}", text(&o));
+    }
+    prefix
+}
+
+/// The installed scripts, run from a folder that is neither the source tree nor the prefix:
+/// the local launcher with a deck relative to that folder; the Slurm script as Slurm runs it
+/// (a copy in a spool folder, its submitted path from a stand-in `scontrol`, mpirun as the
+/// launcher) with its default deck; the PBS script (its submitted path from Submit_arguments)
+/// with a relative deck. Each trains with the prefix's own binary.
+#[test]
+fn installed_job_scripts_run_from_any_folder() {
+    let prefix = install_prefix();
+    let p = prefix.path();
+    let share = p.join("share/ndtrain");
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path();
+    std::fs::copy(tiny_deck(), w.join("my.toml")).unwrap();
+    let installed_bin = format!("{}/bin/ndtrain", p.display());
+
+    // The local launcher, from the work folder.
+    let out = w.join("local");
+    let mut cmd = Command::new("bash");
+    mpi_env(&mut cmd)
+        .arg(share.join("jobscripts/local/train.sh"))
+        .args(["my.toml", "--set", "run.steps=2", "--set", "optim.warmup_steps=1", "--set"])
+        .arg(format!("run.out_dir=\"{}\"", out.display()))
+        .env_remove("NDTRAIN")
+        .env("NRANKS", "2")
+        .env("MPIRUN_ARGS", "--oversubscribe --bind-to none")
+        .current_dir(w);
+    let (o, timed_out) = output_within(&mut cmd, 120);
+    assert!(!timed_out && o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains(&format!("-n 2 {installed_bin} train my.toml")), "{}", text(&o));
+    assert_eq!(losses(&out).1.len(), 2);
+
+    // Slurm: the job runs a spool copy; scontrol names the installed script.
+    let fake = tempfile::tempdir().unwrap();
+    let f = fake.path();
+    std::fs::create_dir_all(f.join("bin")).unwrap();
+    std::fs::create_dir_all(f.join("spool")).unwrap();
+    std::fs::copy(share.join("jobscripts/slurm/train.sbatch"), f.join("spool/slurm_script")).unwrap();
+    write_script(
+        &f.join("bin/scontrol"),
+        &format!(
+            "#!/bin/sh\necho 'JobId=7 JobName=ndtrain'\necho '   Command={}'\necho '   WorkDir={}'\n",
+            share.join("jobscripts/slurm/train.sbatch").display(),
+            w.display()
+        ),
+    );
+    let out = w.join("slurm");
+    let mut cmd = Command::new("bash");
+    mpi_env(&mut cmd)
+        .arg(f.join("spool/slurm_script"))
+        .env("PATH", format!("{}:{}", f.join("bin").display(), std::env::var("PATH").unwrap_or_default()))
+        .env("SLURM_JOB_ID", "7")
+        .env("SLURM_SUBMIT_DIR", w)
+        .env("SLURM_NTASKS", "2")
+        .env("LAUNCH", "mpirun")
+        .env("MPIRUN_ARGS", "--oversubscribe --bind-to none")
+        .env("SETS", format!("run.steps=2 optim.warmup_steps=1 run.out_dir=\"{}\"", out.display()))
+        .env("REQUEUE", "0")
+        .current_dir(f.join("spool"));
+    for v in ["DECK", "NDTRAIN", "JOBSCRIPTS", "NDTRAIN_SETUP", "SLURM_CPUS_PER_TASK"] {
+        cmd.env_remove(v);
+    }
+    let (o, timed_out) = output_within(&mut cmd, 120);
+    assert!(!timed_out && o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains(&format!("{installed_bin} train {}/inputs/tiny.toml", share.display())), "{}", text(&o));
+    assert_eq!(losses(&out).1.len(), 2);
+
+    // PBS: the submitted path in Submit_arguments, relative to PBS_O_WORKDIR.
+    let qstat =
+        format!("Job Id: 42.pbs-test\n    Submit_arguments = -v DECK=my.toml {}\n", share.join("jobscripts/pbs/train.pbs").display());
+    let pbs = FakePbs::new(2, Some(&qstat));
+    let out = w.join("pbs");
+    let sets = format!("run.steps=2 optim.warmup_steps=1 run.out_dir=\"{}\"", out.display());
+    std::fs::create_dir_all(pbs.path().join("spool")).unwrap();
+    let copy = pbs.path().join("spool/42.pbs-test.SC");
+    std::fs::copy(share.join("jobscripts/pbs/train.pbs"), &copy).unwrap();
+    let mut cmd = pbs.command_at(&copy, &sets);
+    cmd.env_remove("NDTRAIN").env("DECK", "my.toml").env("PBS_O_WORKDIR", w).env("MPIEXEC_BIND", "--bind-to none").current_dir(pbs.path());
+    let (o, timed_out) = output_within(&mut cmd, 120);
+    assert!(!timed_out && o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains(&format!("{installed_bin} train {}/my.toml", w.display())), "{}", text(&o));
+    assert_eq!(losses(&out).1.len(), 2);
+}
+
+/// The Slurm script as Slurm runs it (a spool copy; a stand-in `scontrol` that names the
+/// submitted script and records `requeue`), its job stopped with a checkpoint by itself
+/// (`run.max_walltime`): requeued while `SLURM_RESTART_COUNT` is below `MAX_REQUEUES`, not at it
+/// (exit 75, the checkpoint kept).
+#[test]
+fn the_slurm_script_requeues_at_most_max_requeues_times() {
+    let fake = tempfile::tempdir().unwrap();
+    let f = fake.path();
+    std::fs::create_dir_all(f.join("bin")).unwrap();
+    std::fs::create_dir_all(f.join("spool")).unwrap();
+    std::fs::copy(repo().join("jobscripts/slurm/train.sbatch"), f.join("spool/slurm_script")).unwrap();
+    let requeued = f.join("requeued");
+    write_script(
+        &f.join("bin/scontrol"),
+        &format!(
+            "#!/bin/sh\nif [ \"$1\" = requeue ]; then echo \"$2\" >> '{}'; exit 0; fi\necho '   Command={}'\n",
+            requeued.display(),
+            repo().join("jobscripts/slurm/train.sbatch").display()
+        ),
+    );
+    let job = |restarts: &str, name: &str| {
+        let out = f.join(name);
+        let mut cmd = Command::new("bash");
+        mpi_env(&mut cmd)
+            .arg(f.join("spool/slurm_script"))
+            .env("PATH", format!("{}:{}", f.join("bin").display(), std::env::var("PATH").unwrap_or_default()))
+            .env("SLURM_JOB_ID", "9")
+            .env("SLURM_RESTART_COUNT", restarts)
+            .env("MAX_REQUEUES", "2")
+            .env("SLURM_SUBMIT_DIR", f)
+            .env("SLURM_NTASKS", "2")
+            .env("LAUNCH", "mpirun")
+            .env("MPIRUN_ARGS", "--oversubscribe --bind-to none")
+            .env("NDTRAIN", bin())
+            .env("DECK", tiny_deck())
+            .env("SETS", format!("run.steps=200 run.max_walltime=1 parallel.dp_shard=2 run.out_dir=\"{}\"", out.display()))
+            .env(ndtrain::run::faults::STEP_DELAY_ENV, "100")
+            .current_dir(f.join("spool"));
+        for v in ["JOBSCRIPTS", "NDTRAIN_SETUP", "SLURM_CPUS_PER_TASK", "REQUEUE"] {
+            cmd.env_remove(v);
+        }
+        let (o, timed_out) = output_within(&mut cmd, 120);
+        assert!(!timed_out, "{}", text(&o));
+        o
+    };
+    let o = job("1", "first");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(text(&o).contains("requeue 2 of at most 2 resumes from it"), "{}", text(&o));
+    assert_eq!(std::fs::read_to_string(&requeued).unwrap().trim(), "9");
+
+    std::fs::remove_file(&requeued).unwrap();
+    let o = job("2", "second");
+    assert_eq!(o.status.code(), Some(ndtrain::exit::PREEMPTED), "{}", text(&o));
+    assert!(text(&o).contains("not requeueing: 2 requeues reached MAX_REQUEUES=2"), "{}", text(&o));
+    assert!(!requeued.exists(), "{}", text(&o));
+    assert!(f.join("second/ckpt/latest").exists(), "{}", text(&o));
 }

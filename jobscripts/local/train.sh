@@ -7,10 +7,21 @@
 # (--map-by slot:PE=<cores/ranks>: the rank's threads run on its cores; ndtrain starts one
 # thread per core of its affinity mask); with more ranks than cores they share the machine
 # unbound (--bind-to none --oversubscribe). MPIRUN_ARGS replaces this choice.
+# NDTRAIN is the binary [<prefix>/bin/ndtrain when this script is an installed one
+# (<prefix>/share/ndtrain/jobscripts/local), else target/release/ndtrain of its source tree].
 set -euo pipefail
 
 NRANKS="${NRANKS:-1}"
-NDTRAIN="${NDTRAIN:-target/release/ndtrain}"
+# The folder that holds jobscripts/: a source tree, or <prefix>/share/ndtrain.
+home_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+if [ -z "${NDTRAIN:-}" ]; then
+    # Installed: <prefix>/share/ndtrain/jobscripts, the binary in <prefix>/bin.
+    if [ "$(basename "$(dirname "$home_dir")")" = share ] && [ -x "$home_dir/../../bin/ndtrain" ]; then
+        NDTRAIN=$(cd "$home_dir/../../bin" && pwd)/ndtrain
+    else
+        NDTRAIN=$home_dir/target/release/ndtrain
+    fi
+fi
 MPIRUN="${MPIRUN:-mpirun}"
 CORES="$(nproc)"
 if [ -z "${MPIRUN_ARGS:-}" ]; then

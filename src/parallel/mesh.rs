@@ -88,7 +88,7 @@ pub struct Mesh {
     pub batch: Group,
     /// One pipeline: the ranks of every stage at this rank's place in its stage.
     pub pp: Group,
-    /// Ranks on this node (for threads per rank and, later, the GPU index).
+    /// Ranks on this node (for threads per rank and the GPU each rank takes).
     pub node: Group,
 }
 
@@ -108,13 +108,32 @@ impl Mesh {
         let dp_rep = split("dp_rep", GroupKind::DpRep);
         let batch = split("batch", GroupKind::Batch);
         let pp = split("pp", GroupKind::Pp);
-        let node = world.split_shared();
+        let node = node_group(&world);
         Mesh { layout, coords, world, tp, cp, fsdp, dp_rep, batch, pp, node }
     }
 
     /// Every group with its name, for counters and logs.
     pub fn groups(&self) -> [&Group; 6] {
         [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.batch, &self.pp]
+    }
+}
+
+/// The ranks of `world` on this rank's node, ordered by world rank: those that share memory
+/// (`MPI_Comm_split_type` shared), or with `NDTRAIN_DEBUG_PRETEND_NODES` the consecutive ranks
+/// of this rank's pretend node. A malformed count ends the job with code 2 (every rank reads
+/// the same environment; rank 0 says why).
+pub fn node_group(world: &Group) -> Group {
+    match crate::run::faults::pretend_ranks_per_node(world.size()) {
+        Ok(None) => world.split_shared(),
+        Ok(Some(per_node)) => world.split("node", world.rank() / per_node, world.rank()),
+        Err(e) => {
+            if world.rank() == 0 {
+                crate::exit::report(&e);
+            }
+            // Rank 0's message is out before any rank ends the job.
+            world.barrier();
+            super::comm::abort(crate::exit::BAD_INPUT)
+        }
     }
 }
 

@@ -146,9 +146,96 @@ pub fn threads_on_node(node: &Group, requested: usize, mine: &[usize]) -> usize 
     threads_for_rank(requested, mine, &masks)
 }
 
-/// Every rank's place, on every rank of `world` (in rank order).
+/// Every rank's place, on every rank of `world` (in rank order). With pretend nodes
+/// (`NDTRAIN_DEBUG_PRETEND_NODES`, validated where the node communicator is formed) each
+/// rank's host becomes `<host>:node<k>`, its pretend node, as the node communicator has it.
 pub fn gather(world: &Group, mine: &Place) -> Vec<Place> {
-    world.all_gather_bytes(&mine.encode()).iter().map(|b| Place::decode(b).expect("a place this program encoded")).collect()
+    let mut places: Vec<Place> =
+        world.all_gather_bytes(&mine.encode()).iter().map(|b| Place::decode(b).expect("a place this program encoded")).collect();
+    if let Ok(Some(per_node)) = crate::run::faults::pretend_ranks_per_node(world.size()) {
+        pretend_hosts(&mut places, per_node);
+    }
+    places
+}
+
+/// Names each rank's host after its pretend node: ranks `k·per_node ..` are on node `k`.
+pub fn pretend_hosts(places: &mut [Place], per_node: usize) {
+    for p in places {
+        p.host = format!("{}:node{}", p.host, p.rank / per_node);
+    }
+}
+
+/// The ranks of each node (host), in rank order, nodes in the order of their first rank.
+fn nodes(places: &[Place]) -> Vec<(&str, Vec<usize>)> {
+    let mut nodes: Vec<(&str, Vec<usize>)> = vec![];
+    let mut sorted: Vec<&Place> = places.iter().collect();
+    sorted.sort_by_key(|p| p.rank);
+    for p in sorted {
+        match nodes.iter_mut().find(|(h, _)| *h == p.host) {
+            Some((_, ranks)) => ranks.push(p.rank),
+            None => nodes.push((&p.host, vec![p.rank])),
+        }
+    }
+    nodes
+}
+
+/// `nodes: N, R ranks per node; HOST: ranks A-B (node-local 0-K); …`: the line of the
+/// placement table that says how the ranks fall on nodes (the node-local rank is a rank's
+/// place among its node's ranks, which picks its GPU).
+pub fn nodes_line(places: &[Place]) -> String {
+    let nodes = nodes(places);
+    let mut counts: Vec<usize> = nodes.iter().map(|(_, r)| r.len()).collect();
+    counts.sort();
+    counts.dedup();
+    let per_node = match counts.as_slice() {
+        [one] => format!("{one} ranks per node"),
+        _ => format!("{} to {} ranks per node", counts.first().unwrap_or(&0), counts.last().unwrap_or(&0)),
+    };
+    let each: Vec<String> = nodes
+        .iter()
+        .map(|(host, ranks)| format!("{host}: ranks {} (node-local {})", cpu_list(ranks), cpu_list(&(0..ranks.len()).collect::<Vec<_>>())))
+        .collect();
+    format!("nodes: {}, {per_node}; {}", nodes.len(), each.join("; "))
+}
+
+/// The mesh's groups that span more than one node, one line each: `tp` and `cp` as warnings
+/// (their collectives run inside every layer, and across the network they dominate the step),
+/// the others as notes (the data-parallel and pipeline traffic is made to cross nodes). Empty
+/// on one node.
+pub fn groups_across_nodes(places: &[Place], layout: &crate::config::Layout) -> Vec<String> {
+    use crate::parallel::mesh::{Coords, GroupKind};
+    let host_of: BTreeMap<usize, &str> = places.iter().map(|p| (p.rank, p.host.as_str())).collect();
+    let kinds = [
+        (GroupKind::Tp, "tp"),
+        (GroupKind::Cp, "cp"),
+        (GroupKind::Fsdp, "fsdp"),
+        (GroupKind::DpRep, "dp_replicate"),
+        (GroupKind::Batch, "batch"),
+        (GroupKind::Pp, "pp"),
+    ];
+    let mut lines = vec![];
+    for (kind, name) in kinds {
+        let mut groups: BTreeMap<usize, BTreeSet<&str>> = BTreeMap::new();
+        for rank in 0..layout.world_size() {
+            let (color, _) = Coords::of_rank(rank, layout).color_key(kind, layout);
+            if let Some(host) = host_of.get(&rank) {
+                groups.entry(color).or_default().insert(host);
+            }
+        }
+        let spanning = groups.values().filter(|h| h.len() > 1).count();
+        if spanning == 0 {
+            continue;
+        }
+        let widest = groups.values().map(BTreeSet::len).max().unwrap_or(0);
+        let what = format!("{spanning} of {} {name} group(s) span nodes (up to {widest} nodes each)", groups.len());
+        lines.push(match kind {
+            GroupKind::Tp | GroupKind::Cp => format!(
+                "warning: {what}: their collectives run inside every layer and cross the network; keep {name} within a node                  (ranks per node a multiple of tp × cp)"
+            ),
+            _ => format!("nodes: {what}"),
+        });
+    }
+    lines
 }
 
 /// The lines rank 0 prints: one per rank, grouped by host, then the warnings. `automatic`:
@@ -160,6 +247,7 @@ pub fn table(places: &[Place], automatic: bool) -> Vec<String> {
         by_host.entry(&p.host).or_default().push(p);
     }
     let mut lines: Vec<String> = by_host.values().flatten().map(|p| p.line()).collect();
+    lines.push(nodes_line(places));
     for (host, ranks) in &by_host {
         let threads: usize = ranks.iter().map(|p| p.threads).sum();
         let used: BTreeSet<usize> = ranks.iter().flat_map(|p| p.cpus.iter().copied()).collect();
@@ -235,15 +323,43 @@ mod tests {
     fn the_table_warns_of_shared_and_idle_cores() {
         let shared = table(&[place("a", 0, vec![0, 1], 2), place("a", 1, vec![0, 1], 2)], true);
         assert_eq!(shared[0], "placement: a rank 0: cpus 0-1, 2 threads, gpu none");
-        assert!(shared[2].starts_with("warning: a: 2 rank(s) run 4 threads on 2 CPU(s) (0-1)"), "{shared:?}");
+        assert_eq!(shared[2], "nodes: 1, 2 ranks per node; a: ranks 0-1 (node-local 0-1)");
+        assert!(shared[3].starts_with("warning: a: 2 rank(s) run 4 threads on 2 CPU(s) (0-1)"), "{shared:?}");
         let idle = table(&[place("a", 0, vec![0], 1)], true);
-        assert!(idle[1].starts_with("warning: a: 1 rank(s) run 1 threads where the job may use 2 CPUs: 1 sit idle"), "{idle:?}");
-        assert_eq!(table(&[place("a", 0, vec![0], 1)], false).len(), 1, "a thread count the deck set is deliberate");
+        assert!(idle[2].starts_with("warning: a: 1 rank(s) run 1 threads where the job may use 2 CPUs: 1 sit idle"), "{idle:?}");
+        assert_eq!(table(&[place("a", 0, vec![0], 1)], false).len(), 2, "a thread count the deck set is deliberate");
         let whole = |host, rank| Place { node_cpus: 1, ..place(host, rank, vec![0], 1) };
         let two_hosts = table(&[whole("b", 1), whole("a", 0)], true);
-        assert_eq!(two_hosts.len(), 2, "one line per rank, no warning: {two_hosts:?}");
+        assert_eq!(two_hosts.len(), 3, "one line per rank and the nodes, no warning: {two_hosts:?}");
+        assert_eq!(two_hosts[2], "nodes: 2, 1 ranks per node; a: ranks 0 (node-local 0); b: ranks 1 (node-local 0)");
         assert!(two_hosts[0].starts_with("placement: a rank 0"), "grouped by host");
         let p = place("h", 3, vec![0, 2], 2);
         assert_eq!(Place::decode(&p.encode()).unwrap(), p);
+    }
+
+    /// 8 ranks as 2 pretend nodes of 4: tp = 2 stays in a node, dp_shard = 4 spans both (a
+    /// note); tp = 8 spans both (a warning); cp = 2 across nodes of 1 rank is a warning too.
+    #[test]
+    fn groups_that_span_nodes_are_named_and_tp_and_cp_warned_of() {
+        use crate::config::Layout;
+        let mut places: Vec<Place> = (0..8).map(|r| place("h", r, vec![r], 1)).collect();
+        pretend_hosts(&mut places, 4);
+        assert_eq!(places[5].host, "h:node1");
+        assert_eq!(
+            nodes_line(&places),
+            "nodes: 2, 4 ranks per node; h:node0: ranks 0-3 (node-local 0-3); h:node1: ranks 4-7 (node-local 0-3)"
+        );
+        let fsdp = Layout { pp: 1, dp_replicate: 1, dp_shard: 4, cp: 1, tp: 2 };
+        let lines = groups_across_nodes(&places, &fsdp);
+        assert!(lines.iter().all(|l| !l.starts_with("warning")), "{lines:?}");
+        assert!(lines.iter().any(|l| l == "nodes: 2 of 2 fsdp group(s) span nodes (up to 2 nodes each)"), "{lines:?}");
+        let tp = Layout { pp: 1, dp_replicate: 1, dp_shard: 1, cp: 1, tp: 8 };
+        assert!(groups_across_nodes(&places, &tp)[0].starts_with("warning: 1 of 1 tp group(s) span nodes (up to 2 nodes each)"));
+        let mut two: Vec<Place> = (0..2).map(|r| place("h", r, vec![r], 1)).collect();
+        pretend_hosts(&mut two, 1);
+        let cp = Layout { pp: 1, dp_replicate: 1, dp_shard: 1, cp: 2, tp: 1 };
+        assert!(groups_across_nodes(&two, &cp)[0].starts_with("warning: 1 of 1 cp group(s) span nodes"));
+        let one_node: Vec<Place> = (0..8).map(|r| place("h", r, vec![r], 1)).collect();
+        assert!(groups_across_nodes(&one_node, &tp).is_empty());
     }
 }

@@ -68,6 +68,7 @@ pub fn train(deck_path: &Path, set: &[String]) -> Ended {
     let mut record = RunRecord::start(&res, &places, deck_path, threads);
     let out_dir = res.deck.run.out_dir();
     let mut lines = placement::table(&places, res.deck.run.threads == 0);
+    lines.extend(placement::groups_across_nodes(&places, &res.layout));
     lines.extend(devices.sharing());
     say_start(&res, &mesh, &record, (deck_path, threads), lines, job_end_line);
     write_resolved_deck(&res, &mesh, &out_dir);

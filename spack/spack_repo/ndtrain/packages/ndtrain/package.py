@@ -10,6 +10,7 @@ been verified.
 import os
 
 from spack_repo.builtin.build_systems.cargo import CargoPackage
+from spack_repo.builtin.build_systems.cuda import CudaPackage
 
 from spack.package import *
 
@@ -49,7 +50,7 @@ def rustc_target_cpu(target):
     return None
 
 
-class Ndtrain(CargoPackage):
+class Ndtrain(CargoPackage, CudaPackage):
     """SPMD MPI trainer for Llama-style transformers with N-dimensional parallelism
     (DP, FSDP, HSDP, TP, CP), sharded parallel-HDF5 checkpoints and per-rank timing logs."""
 
@@ -67,7 +68,9 @@ class Ndtrain(CargoPackage):
     # The tarball spack/make-release.sh makes of commit 957bf13b2f8a (see spack/README.md).
     version("0.1.0", sha256="7a3a634f07ee9a5455d8b42be86d6eab8279e5ce370b878f6df44ab09f14489c")
 
-    variant("cuda", default=False, description="NVIDIA GPU backend (cuBLAS, NVRTC kernels, NCCL)")
+    # CudaPackage brings the `cuda` variant (off by default: the NVIDIA GPU backend, cuBLAS,
+    # NVRTC kernels and NCCL) and `cuda_arch`. ndtrain compiles its kernels at run time for the
+    # GPU it finds, so cuda_arch does not change its own build; NCCL is compiled for it.
 
     depends_on("rust@1.85:", type="build")
     # rsmpi builds a small C shim with the MPI compiler wrapper; HDF5's sys crate links C.
@@ -78,8 +81,18 @@ class Ndtrain(CargoPackage):
     depends_on("mpi")
     # Checkpoints are written collectively through parallel HDF5 (MPI-IO).
     depends_on("hdf5@1.10:+mpi~java")
-    depends_on("cuda", when="+cuda")
+    # CUDA 12: the driver API, NVRTC and cuBLAS calls the GPU backend makes.
+    depends_on("cuda@12:", when="+cuda")
     depends_on("nccl", when="+cuda")
+    # NCCL for the GPUs the spec names (nccl is a CudaPackage and refuses cuda_arch=none).
+    for arch in CudaPackage.cuda_arch_values:
+        depends_on(f"nccl+cuda cuda_arch={arch}", when=f"+cuda cuda_arch={arch}")
+    conflicts(
+        "cuda_arch=none",
+        when="+cuda",
+        msg="ndtrain+cuda builds NCCL for the GPUs it runs on: set cuda_arch (e.g. cuda_arch=80 for A100, "
+        "cuda_arch=90 for H100/GH200)",
+    )
 
     @property
     def build_args(self):
@@ -133,6 +146,17 @@ class Ndtrain(CargoPackage):
         deck = join_path(self.prefix.share, "ndtrain", "inputs", "tiny.toml")
         out = ndtrain("plan", deck, "--ranks", "4", "--set", "parallel.tp=2", output=str.split, error=str.split)
         assert "is valid for 4 ranks" in out
+
+    def test_sweep(self):
+        """ndtrain sweep expands the shipped tiny strong-scaling study outside the source tree"""
+        ndtrain = which(self.prefix.bin.ndtrain)
+        study = join_path(self.prefix.share, "ndtrain", "inputs", "studies", "tiny_strong.toml")
+        out = ndtrain("sweep", study, "--out", "ndtrain-sweep", output=str.split, error=str.split)
+        # One folder with a deck and a job script per point: 1, 2 and 4 ranks.
+        points = [d for d in os.listdir("ndtrain-sweep") if os.path.isfile(join_path("ndtrain-sweep", d, "deck.toml"))]
+        assert len(points) == 3, out
+        for d in points:
+            assert os.path.isfile(join_path("ndtrain-sweep", d, "job.sh")), out
 
     def test_train(self):
         """ndtrain trains the tiny deck for 3 steps on 2 ranks and writes its logs"""
