@@ -249,6 +249,11 @@ impl Group {
         waiting(|| self.comm.all_gather_into(&(mine.len() as i32), &mut counts[..]));
         let displs: Vec<i32> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
         let mut all = vec![0u8; counts.iter().map(|&c| c as usize).sum()];
+        if all.is_empty() {
+            // Nothing to move, and empty send and receive vectors share one dangling address,
+            // which Open MPI refuses as an aliased buffer (MPI_ERR_ARG).
+            return vec![vec![]; self.size];
+        }
         let mut parts = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
         waiting(|| self.comm.all_gather_varcount_into(mine, &mut parts));
         counts.iter().zip(&displs).map(|(&c, &d)| all[d as usize..(d + c) as usize].to_vec()).collect()

@@ -63,7 +63,7 @@ pub fn run(layout: Option<String>) -> Result<Option<String>, Failure> {
         Ok(l) => l.map(|l| Mesh::new(rt.world(), l)),
         Err(e) => return Err(Failure { code: crate::exit::BAD_INPUT, message: root.then_some(e) }),
     };
-    let node = world.split_shared();
+    let node = crate::parallel::mesh::node_group(&world);
     let outcome = checks(&world, &node, mesh.as_ref());
     // Every rank's lines, in rank order, on rank 0.
     let mine = outcome.as_ref().map(|t| t.clone().into_bytes()).unwrap_or_default();
