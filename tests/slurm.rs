@@ -76,6 +76,8 @@ fn a_slurm_job_trains_and_checkpoints_and_a_second_job_resumes() {
     }
 
     let dir = tempfile::tempdir().unwrap();
+    a_study_runs_through_the_queue(&env, dir.path());
+
     let run = dir.path().join("run");
     let common = format!("optim.warmup_steps=2 parallel.tp=2 checkpoint.every=3 run.out_dir=\"{}\"", run.display());
     let (rc, log) = sbatch(&env, dir.path(), "first", &format!("run.steps=6 {common}"), &["--ntasks-per-node=4"]);
@@ -108,8 +110,6 @@ fn a_slurm_job_trains_and_checkpoints_and_a_second_job_resumes() {
     // The requeue pattern: SIGUSR1 to the tasks (what --signal=USR1@120 sends before the time
     // limit) → checkpoint and exit 75 → the script requeues the job → it resumes and finishes.
     requeue_after_signal(&env, dir.path());
-
-    a_study_runs_through_the_queue(&env, dir.path());
 }
 
 /// Whether the `report` subcommand reads a study's folder (`--study`).
@@ -135,7 +135,7 @@ fn a_study_runs_through_the_queue(env: &[(String, String)], dir: &std::path::Pat
         Command::new(bin())
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("NDTRAIN", bin())
-            .current_dir(dir)
+            .current_dir(repo())
             .arg("sweep")
             .args(args)
             .output()

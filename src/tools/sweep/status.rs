@@ -76,7 +76,11 @@ pub fn slurm_state(state: &str, exit: &str, restarts: u32) -> Option<Sched> {
         "PREEMPTED" => Sched::Preempted,
         "COMPLETED" => Sched::Ended { ok: how == "exit code 0", how },
         "" => return None,
-        other => Sched::Ended { ok: false, how: if how == "exit code 0" { other.to_string() } else { format!("{how}, {other}") } },
+        // FAILED says no more than its exit code; other states (TIMEOUT, CANCELLED, OUT_OF_MEMORY)
+        // say what ended the job.
+        "FAILED" if how != "exit code 0" => Sched::Ended { ok: false, how },
+        other if how == "exit code 0" => Sched::Ended { ok: false, how: other.to_string() },
+        other => Sched::Ended { ok: false, how: format!("{how}, {other}") },
     })
 }
 
