@@ -150,7 +150,15 @@ fn a_pbs_study_carries_its_queue_options_and_survives_a_refused_job() {
     let path = format!("{}:{}", fake.display(), std::env::var("PATH").unwrap());
     std::fs::write(dir.path().join("refuse"), "pq_ranks_2_r1").unwrap();
     let run = |args: &[&str]| {
-        mpi_env(&mut Command::new(bin())).current_dir(dir.path()).env("PATH", &path).arg("sweep").args(args).output().unwrap()
+        mpi_env(&mut Command::new(bin()))
+            .current_dir(dir.path())
+            .env("PATH", &path)
+            .env("NDTRAIN", bin())
+            .env_remove("NDTRAIN_BIN")
+            .arg("sweep")
+            .args(args)
+            .output()
+            .unwrap()
     };
     let submit = run(&["submit", out.to_str().unwrap()]);
     assert_eq!(submit.status.code(), Some(1), "{}", text(&submit));
@@ -180,13 +188,15 @@ fn a_pbs_study_carries_its_queue_options_and_survives_a_refused_job() {
             && v.contains(&format!("DECK={}", out.join("ranks_1/deck.toml").display())),
         "{v}"
     );
-    assert!(v.contains(",NDTRAIN"), "the binary chosen goes with the job: {v}");
+    assert!(v.ends_with(",NDTRAIN"), "the binary chosen goes with the job: {v}");
     assert!(a.last().unwrap().ends_with("jobscripts/pbs/train.pbs"), "{a:?}");
     // The labelled point's own walltime; then the report, after the two jobs queued.
     assert!(args(2).windows(2).any(|w| w == ["-l", "walltime=01:30:00"]) && args(2).contains(&"pq_long_r1".to_string()), "{:?}", args(2));
     let report = args(3);
     assert!(report.windows(2).any(|w| w == ["-W", "depend=afterany:1.pbs-test:2.pbs-test"]), "{report:?}");
     assert!(report.windows(2).any(|w| w == ["-A", "proj1"]) && report.last().unwrap().ends_with("report.sh"), "{report:?}");
+    let to_report = format!("NDTRAIN_SETUP={},NDTRAIN", setup.display());
+    assert!(report.windows(2).any(|w| w[0] == "-v" && w[1] == to_report), "the setup file and the binary: {report:?}");
     let jobs = lines(&out.join("jobs.csv"));
     assert_eq!(jobs.len(), 3, "{jobs:?}");
     assert!(jobs[1].starts_with("ranks_1,1,1.pbs-test,") && jobs[2].starts_with("long,1,2.pbs-test,"), "{jobs:?}");

@@ -212,6 +212,7 @@ pub fn submit_report_script(study: &StudyCfg, launcher: Launcher, queue: &Queue,
     let name = format!("{}_report", study.name);
     // The report is one process for a minute or two: the study's account and partition, not its
     // node counts, exclusivity or walltime.
+    let mut prelude = String::new();
     let line = match launcher {
         Launcher::Local => return None,
         Launcher::Slurm => {
@@ -233,14 +234,18 @@ pub fn submit_report_script(study: &StudyCfg, launcher: Launcher, queue: &Queue,
                 args.extend(["-q".into(), q.clone()]);
             }
             args.extend(["-j".into(), "oe".into(), "-o".into(), output]);
-            if let Some(s) = setup {
-                args.extend(["-v".into(), format!("NDTRAIN_SETUP={}", s.display())]);
-            }
-            format!("qsub {} -W depend=\"afterany:$1\" {}", words(&args), quote(&report))
+            // qsub passes no environment: the setup file by value, the binary by name when the
+            // caller chose one.
+            let vars = setup.map(|s| format!("NDTRAIN_SETUP={}", s.display())).unwrap_or_default();
+            prelude = format!(
+                "vars={}\nfor v in NDTRAIN NDTRAIN_BIN; do if [ -n \"${{!v:-}}\" ]; then vars=\"${{vars:+$vars,}}$v\"; fi; done\n",
+                quote(&vars)
+            );
+            format!("qsub {} ${{vars:+-v \"$vars\"}} -W depend=\"afterany:$1\" {}", words(&args), quote(&report))
         }
     };
     Some(format!(
-        "#!/usr/bin/env bash\n# Queues report.sh of study {} after the jobs whose ids \"$1\" lists (joined by ':'), however\n# they end; prints its job id. `ndtrain sweep submit` runs it.\nset -euo pipefail\n: \"${{1:?usage: $0 JOBID[:JOBID...]}}\"\ncd {}\nexec {line}\n",
+        "#!/usr/bin/env bash\n# Queues report.sh of study {} after the jobs whose ids \"$1\" lists (joined by ':'), however\n# they end; prints its job id. `ndtrain sweep submit` runs it.\nset -euo pipefail\n: \"${{1:?usage: $0 JOBID[:JOBID...]}}\"\ncd {}\n{prelude}exec {line}\n",
         study.name,
         quote(&out.display().to_string())
     ))
