@@ -66,7 +66,16 @@ fn a_local_study_with_repeats_runs_each_point_twice_and_reports() {
     let said = String::from_utf8_lossy(&status.stdout).to_string();
     assert_eq!(said.lines().filter(|l| l.ends_with("not submitted")).count(), 4, "{said}");
 
-    let submit = sweep(dir.path(), &["submit", out.to_str().unwrap()]);
+    // Without NDTRAIN, the jobs run the binary that wrote the study, and the report `ndtrain` on PATH.
+    let path = format!("{}:{}", Path::new(bin()).parent().unwrap().display(), std::env::var("PATH").unwrap());
+    let submit = mpi_env(&mut Command::new(bin()))
+        .current_dir(dir.path())
+        .env_remove("NDTRAIN")
+        .env_remove("NDTRAIN_BIN")
+        .env("PATH", path)
+        .args(["sweep", "submit", out.to_str().unwrap()])
+        .output()
+        .unwrap();
     let jobs = lines(&out.join("jobs.csv"));
     assert_eq!(jobs[0], "label,repeat,job_id,script");
     assert_eq!(jobs.len(), 5, "{jobs:?}\n{}", text(&submit));

@@ -122,7 +122,16 @@ pub fn job_script(j: &Job) -> Result<String, String> {
         Launcher::Local => {
             let setup = j.setup.map(|p| format!("export NDTRAIN_SETUP={}\n", quote(&p.display().to_string()))).unwrap_or_default();
             let train = j.jobscripts.join("local/train.sh").display().to_string();
-            format!("{setup}echo \"+ NRANKS={} {train} {deck}\"\nNRANKS={} exec {} {}\n", j.ranks, j.ranks, quote(&train), quote(&deck))
+            // The binary: the caller's choice, else the one that wrote the study (the job runs in
+            // the study's folder, where no relative default would find one).
+            format!(
+                "{setup}export NDTRAIN=\"${{NDTRAIN:-${{NDTRAIN_BIN:-{}}}}}\"\necho \"+ NRANKS={} {train} {deck}\"\nNRANKS={} exec {} {}\n",
+                this_binary(),
+                j.ranks,
+                j.ranks,
+                quote(&train),
+                quote(&deck)
+            )
         }
         Launcher::Slurm => {
             let mut args = vec![
@@ -251,14 +260,23 @@ pub fn submit_report_script(study: &StudyCfg, launcher: Launcher, queue: &Queue,
     ))
 }
 
+/// This binary's path, for a script to fall back on inside double quotes; `ndtrain` (on `PATH`)
+/// where the path holds a character that would need escaping there.
+fn this_binary() -> String {
+    std::env::current_exe()
+        .map(|e| e.display().to_string())
+        .ok()
+        .filter(|e| !e.contains(['"', '$', '`', '\\', '\n']))
+        .unwrap_or_else(|| "ndtrain".into())
+}
+
 /// `run_all.sh`: `ndtrain sweep submit <out>` (the same binary that wrote the study, unless
 /// `NDTRAIN_BIN` names another).
 pub fn run_all_script(study: &StudyCfg, out: &Path) -> String {
-    let exe = std::env::current_exe().map(|e| e.display().to_string()).unwrap_or_else(|_| "ndtrain".into());
     format!(
         "#!/usr/bin/env bash\n# Runs (local) or submits (slurm, pbs) every job of study {} that is not yet in jobs.csv, then\n# the report after them: `ndtrain sweep submit`.\nset -euo pipefail\nexec \"${{NDTRAIN_BIN:-{}}}\" sweep submit {}\n",
         study.name,
-        exe.replace('"', "\\\""),
+        this_binary(),
         quote(&out.display().to_string())
     )
 }
