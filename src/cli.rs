@@ -62,10 +62,16 @@ enum Cmd {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Expand a scaling study into one deck and one job script per point (`docs/hpc.md`).
+    /// Expand a scaling study into one deck and one job per point and repeat (`docs/hpc.md`);
+    /// `sweep submit DIR` queues them and the report after them, `sweep status DIR` tells where
+    /// each one is.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Sweep {
+        #[command(subcommand)]
+        action: Option<SweepCmd>,
         /// The study (TOML), e.g. inputs/studies/fsdp_strong.toml.
-        study: PathBuf,
+        #[arg(required = true)]
+        study: Option<PathBuf>,
         /// Where to write (default: the study's `out`, else out/studies/<name>).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -99,6 +105,19 @@ enum CkptCmd {
         #[arg(long)]
         hf: PathBuf,
     },
+}
+
+#[derive(Subcommand, Debug)]
+enum SweepCmd {
+    /// Submit every job of a written study not yet in its jobs.csv (run them here with the
+    /// local launcher), then the report chained after them all (afterany).
+    Submit {
+        /// The study's folder (what `ndtrain sweep` wrote).
+        dir: PathBuf,
+    },
+    /// One line per point and repeat: not submitted, queued, running, done, failed (exit code),
+    /// preempted or requeued.
+    Status { dir: PathBuf },
 }
 
 #[derive(Subcommand, Debug)]
@@ -159,7 +178,26 @@ pub fn main() -> i32 {
             }
         },
         Cmd::Ckpt { cmd } => run_ckpt(cmd),
-        Cmd::Sweep { study, out } => {
+        Cmd::Sweep { action: Some(SweepCmd::Submit { dir }), .. } => match crate::tools::sweep::submit::submit(&dir) {
+            Ok(o) => {
+                o.lines.iter().for_each(|l| println!("{l}"));
+                if o.failures > 0 {
+                    exit::report(&format!("{} of the study's jobs or its report were not queued or failed: see above", o.failures));
+                    RUN_FAILED
+                } else {
+                    OK
+                }
+            }
+            Err(e) => {
+                exit::report(&e);
+                BAD_INPUT
+            }
+        },
+        Cmd::Sweep { action: Some(SweepCmd::Status { dir }), .. } => {
+            printed(crate::tools::sweep::status::status(&dir).map(|rows| status_lines(&rows)), BAD_INPUT)
+        }
+        Cmd::Sweep { action: None, study, out } => {
+            let study = study.expect("clap requires the study without a subcommand");
             printed(crate::tools::sweep::run(&study, out.as_deref()).map(|points| sweep_lines(&points)), BAD_INPUT)
         }
         Cmd::Report { runs, out } => {
@@ -188,15 +226,45 @@ fn printed<E: std::fmt::Display>(outcome: Result<String, E>, failure: i32) -> i3
     }
 }
 
-/// What `ndtrain sweep` prints: each point's label, ranks, deck and job script, and how to run
-/// them all.
+/// What `ndtrain sweep` prints: each job's label, repeat, ranks, deck and script, and how to
+/// submit them all.
 fn sweep_lines(points: &[crate::tools::sweep::Expanded]) -> String {
-    let mut s: String =
-        points.iter().map(|p| format!("{:<16} {:>5} ranks  {}  {}\n", p.label, p.ranks, p.deck.display(), p.job.display())).collect();
-    if let Some(dir) = points.first().and_then(|p| p.dir.parent()) {
-        s += &format!("run or submit them all: {}/run_all.sh; then {}/report.sh\n", dir.display(), dir.display());
+    use crate::tools::sweep::shell_word;
+    let mut s: String = points
+        .iter()
+        .map(|p| {
+            format!(
+                "{:<16} r{:<3} {:>5} ranks{}  {}  {}\n",
+                p.label,
+                p.repeat,
+                p.ranks,
+                if p.gpu { " (GPU)" } else { "" },
+                p.deck.display(),
+                p.job.display()
+            )
+        })
+        .collect();
+    if let Some(out) = points.first().and_then(|p| p.run_dir.ancestors().find(|a| a.ends_with("runs"))).and_then(|r| r.parent()) {
+        s += &format!("submit (or run) them all and the report after them: ndtrain sweep submit {}\n", shell_word(out));
     }
     s
+}
+
+/// What `ndtrain sweep status` prints: one line per point and repeat.
+fn status_lines(
+    rows: &[(crate::tools::sweep::ManifestRow, Option<crate::tools::sweep::submit::Submitted>, crate::tools::sweep::status::State)],
+) -> String {
+    rows.iter()
+        .map(|(r, job, state)| {
+            format!(
+                "{:<16} r{:<3} {:>5} ranks  job {:<14} {state}\n",
+                r.label,
+                r.repeat,
+                r.ranks,
+                job.as_ref().map_or("-", |j| j.job_id.as_str())
+            )
+        })
+        .collect()
 }
 
 fn run_ckpt(cmd: CkptCmd) -> i32 {

@@ -3,7 +3,11 @@
 //! (FSDP=2×TP=2) under `srun` (PMIx: the cluster's `MpiDefault`, else `SRUN_MPI=pmix`),
 //! checkpoints and logs every rank; a second job resumes from its checkpoint; a job of one task
 //! with `--cpus-per-task=2` gives its rank 2 threads; a job signalled as before its time limit
-//! checkpoints, requeues itself and finishes. The cluster is stopped whatever happens.
+//! checkpoints, requeues itself and finishes. A study of two points repeated twice, with a
+//! walltime, an account and whole nodes, is submitted by `ndtrain sweep submit`: every job
+//! carries those options, `jobs.csv` records it, `sweep status` tells done and failed (a point
+//! whose data path is broken after submission), and the report job runs after them all. The
+//! cluster is stopped whatever happens.
 
 mod common;
 
@@ -72,6 +76,8 @@ fn a_slurm_job_trains_and_checkpoints_and_a_second_job_resumes() {
     }
 
     let dir = tempfile::tempdir().unwrap();
+    a_study_runs_through_the_queue(&env, dir.path());
+
     let run = dir.path().join("run");
     let common = format!("optim.warmup_steps=2 parallel.tp=2 checkpoint.every=3 run.out_dir=\"{}\"", run.display());
     let (rc, log) = sbatch(&env, dir.path(), "first", &format!("run.steps=6 {common}"), &["--ntasks-per-node=4"]);
@@ -104,6 +110,100 @@ fn a_slurm_job_trains_and_checkpoints_and_a_second_job_resumes() {
     // The requeue pattern: SIGUSR1 to the tasks (what --signal=USR1@120 sends before the time
     // limit) → checkpoint and exit 75 → the script requeues the job → it resumes and finishes.
     requeue_after_signal(&env, dir.path());
+}
+
+/// Whether the `report` subcommand reads a study's folder (`--study`).
+fn report_reads_studies() -> bool {
+    let o = Command::new(bin()).args(["report", "--help"]).output().unwrap();
+    String::from_utf8_lossy(&o.stdout).contains("--study")
+}
+
+/// A study of the tiny deck on 1 and 2 ranks, each twice, submitted held (`--hold` through
+/// `scheduler_options`) so that one job's deck can be broken before any starts.
+fn a_study_runs_through_the_queue(env: &[(String, String)], dir: &std::path::Path) {
+    let study = dir.join("queued.toml");
+    std::fs::write(
+        &study,
+        format!(
+            "[study]\nname = \"q\"\nbase = \"{}\"\nscaling = \"strong\"\nlauncher = \"slurm\"\nranks_per_node = 2\nranks = [1, 2]\nrepeats = 2\nwalltime = \"00:10:00\"\naccount = \"ndtrain_ci\"\nexclusive = true\nscheduler_options = [\"--hold\"]\n[set]\n\"run.steps\" = 3\n\"run.threads\" = 1\n\"optim.warmup_steps\" = 1\n",
+            tiny_deck().display()
+        ),
+    )
+    .unwrap();
+    let out = dir.join("study");
+    let sweep = |args: &[&str]| {
+        Command::new(bin())
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("NDTRAIN", bin())
+            .current_dir(repo())
+            .arg("sweep")
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let o = sweep(&[study.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = sweep(&["submit", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let jobs: Vec<Vec<String>> = std::fs::read_to_string(out.join("jobs.csv"))
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').map(str::to_string).collect())
+        .collect();
+    assert_eq!(jobs.len(), 4, "every job in jobs.csv: {jobs:?}\n{}", text(&o));
+    for j in &jobs {
+        let (label, repeat, id) = (&j[0], &j[1], &j[2]);
+        assert_eq!(j[3], out.join(format!("{label}/r{repeat}/job.sh")).display().to_string());
+        // The options each job carries, as the controller holds them.
+        assert_eq!(scontrol_field(id, "JobName"), format!("q_{label}_r{repeat}"));
+        assert_eq!(scontrol_field(id, "TimeLimit"), "00:10:00", "job {id}");
+        assert_eq!(scontrol_field(id, "Account"), "ndtrain_ci", "job {id}");
+        assert_eq!(scontrol_field(id, "OverSubscribe"), "NO", "--exclusive: job {id}");
+        assert_eq!(scontrol_field(id, "NumTasks"), if label == "ranks_1" { "1" } else { "2" }, "job {id}");
+    }
+    // The report job waits for every point, however they end.
+    let report_jobs = std::fs::read_to_string(out.join("report_jobs.csv")).unwrap();
+    let report_id = report_jobs.lines().nth(1).unwrap().split(',').next().unwrap().to_string();
+    let ids: Vec<&str> = jobs.iter().map(|j| j[2].as_str()).collect();
+    let dependency = scontrol_field(&report_id, "Dependency");
+    assert!(ids.iter().all(|id| dependency.contains(&format!("afterany:{id}"))), "{dependency}");
+
+    // A broken data path in one job's deck, after submission, before it starts.
+    let broken = out.join("ranks_2/r2/deck.toml");
+    let deck = std::fs::read_to_string(&broken).unwrap();
+    let (head, data) = deck.split_once("[data]").unwrap();
+    let data =
+        data.replacen("source = \"synthetic\"", "source = \"bin\"", 1).replacen("path = \"\"", "path = \"/nonexistent/tokens.bin\"", 1);
+    std::fs::write(&broken, format!("{head}[data]{data}")).unwrap();
+    for id in &ids {
+        assert!(Command::new("scontrol").args(["release", id]).status().unwrap().success());
+    }
+    let report_log = out.join("report.out");
+    let status = || String::from_utf8_lossy(&sweep(&["status", out.to_str().unwrap()]).stdout).to_string();
+    wait_for("the study's jobs and its report to end", 300, &report_log, || {
+        std::fs::read_to_string(&report_log).is_ok_and(|l| l.contains("report --study"))
+            && !status().contains("queued")
+            && !status().contains("running")
+    });
+    let said = status();
+    let line =
+        |label: &str, r: usize| said.lines().find(|l| l.starts_with(label) && l.contains(&format!(" r{r} "))).unwrap_or("").to_string();
+    for (label, r) in [("ranks_1", 1), ("ranks_1", 2), ("ranks_2", 1)] {
+        assert!(line(label, r).ends_with(" done"), "{label} r{r}: {said}");
+    }
+    assert!(line("ranks_2", 2).contains(" failed (exit code "), "{said}");
+    let log = std::fs::read_to_string(&report_log).unwrap();
+    if report_reads_studies() {
+        let listing: String = std::fs::read_dir(out.join("report"))
+            .unwrap()
+            .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap_or_default())
+            .collect();
+        assert!(listing.contains("ranks_2") && listing.contains("failed"), "the report lists the failed point: {log}");
+    } else {
+        // Until `report` reads a study's folder, only that the report job ran.
+        assert!(log.contains(&format!("report --study {}", out.display())), "{log}");
+    }
 }
 
 /// A value of `scontrol show config` (`Name = value`), empty if not listed.
