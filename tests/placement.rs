@@ -86,7 +86,7 @@ fn four_ranks_as_two_pretend_nodes_place_as_on_two_nodes() {
             .args(["--set", "run.steps=1", "--set", "run.threads=1", "--set", "parallel.tp=2", "--set", "parallel.cp=2", "--set"])
             .arg(format!("run.out_dir=\"{}\"", out.display()))
             .env(ndtrain::run::faults::GPUS_ENV, "GPU-a:0,GPU-b:0")
-            .env(ndtrain::run::faults::PRETEND_NODES_ENV, nodes)
+            .env(ndtrain::parallel::mesh::PRETEND_NODES_ENV, nodes)
             .output()
             .unwrap()
     };

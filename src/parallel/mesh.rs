@@ -118,12 +118,34 @@ impl Mesh {
     }
 }
 
+/// Groups consecutive world ranks into this many pretend nodes, instead of the nodes the ranks
+/// share memory on: the node communicator, the node-local ranks, the placement table's hosts
+/// (`<host>:node<k>`) and the GPU-per-rank decision then behave as on that many real nodes,
+/// so a test on one machine shows what spans nodes.
+pub const PRETEND_NODES_ENV: &str = "NDTRAIN_DEBUG_PRETEND_NODES";
+
+/// Ranks per pretend node on a world of `world_size` ranks, if `PRETEND_NODES_ENV` is set.
+pub fn pretend_ranks_per_node(world_size: usize) -> Result<Option<usize>, String> {
+    match std::env::var(PRETEND_NODES_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => ranks_per_pretend_node(&v, world_size).map(Some).map_err(|e| format!("{PRETEND_NODES_ENV}={v:?}: {e}")),
+    }
+}
+
+fn ranks_per_pretend_node(spec: &str, world_size: usize) -> Result<usize, String> {
+    let nodes: usize = spec.trim().parse().map_err(|_| "expected a whole number of nodes".to_string())?;
+    if nodes == 0 || world_size % nodes != 0 {
+        return Err(format!("{world_size} ranks do not split evenly into {nodes} node(s): use a divisor of {world_size}"));
+    }
+    Ok(world_size / nodes)
+}
+
 /// The ranks of `world` on this rank's node, ordered by world rank: those that share memory
 /// (`MPI_Comm_split_type` shared), or with `NDTRAIN_DEBUG_PRETEND_NODES` the consecutive ranks
 /// of this rank's pretend node. A malformed count ends the job with code 2 (every rank reads
 /// the same environment; rank 0 says why).
 pub fn node_group(world: &Group) -> Group {
-    match crate::run::faults::pretend_ranks_per_node(world.size()) {
+    match pretend_ranks_per_node(world.size()) {
         Ok(None) => world.split_shared(),
         Ok(Some(per_node)) => world.split("node", world.rank() / per_node, world.rank()),
         Err(e) => {
@@ -140,6 +162,16 @@ pub fn node_group(world: &Group) -> Group {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pretend_node_counts_divide_the_world_or_say_why_not() {
+        assert_eq!(ranks_per_pretend_node("2", 4), Ok(2));
+        assert_eq!(ranks_per_pretend_node(" 4 ", 4), Ok(1));
+        assert_eq!(ranks_per_pretend_node("1", 3), Ok(3));
+        assert!(ranks_per_pretend_node("3", 4).unwrap_err().contains("4 ranks do not split evenly into 3 node(s)"));
+        assert!(ranks_per_pretend_node("0", 4).unwrap_err().contains("into 0 node(s)"));
+        assert!(ranks_per_pretend_node("two", 4).unwrap_err().contains("whole number"));
+    }
 
     fn layout() -> Layout {
         Layout { pp: 2, dp_replicate: 2, dp_shard: 3, cp: 2, tp: 2 }

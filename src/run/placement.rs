@@ -152,7 +152,7 @@ pub fn threads_on_node(node: &Group, requested: usize, mine: &[usize]) -> usize 
 pub fn gather(world: &Group, mine: &Place) -> Vec<Place> {
     let mut places: Vec<Place> =
         world.all_gather_bytes(&mine.encode()).iter().map(|b| Place::decode(b).expect("a place this program encoded")).collect();
-    if let Ok(Some(per_node)) = crate::run::faults::pretend_ranks_per_node(world.size()) {
+    if let Ok(Some(per_node)) = crate::parallel::mesh::pretend_ranks_per_node(world.size()) {
         pretend_hosts(&mut places, per_node);
     }
     places
