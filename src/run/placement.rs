@@ -203,8 +203,18 @@ pub fn nodes_line(places: &[Place]) -> String {
 /// the others as notes (the data-parallel and pipeline traffic is made to cross nodes). Empty
 /// on one node.
 pub fn groups_across_nodes(places: &[Place], layout: &crate::config::Layout) -> Vec<String> {
-    use crate::parallel::mesh::{Coords, GroupKind};
     let host_of: BTreeMap<usize, &str> = places.iter().map(|p| (p.rank, p.host.as_str())).collect();
+    spanning_groups(|rank| host_of.get(&rank).map(|h| h.to_string()), layout)
+}
+
+/// [`groups_across_nodes`] for a job not yet placed: `ranks_per_node` consecutive ranks per
+/// node, as `ndtrain plan` assumes.
+pub fn groups_across_planned_nodes(ranks_per_node: usize, layout: &crate::config::Layout) -> Vec<String> {
+    spanning_groups(|rank| Some(format!("node{}", rank / ranks_per_node.max(1))), layout)
+}
+
+fn spanning_groups(host_of: impl Fn(usize) -> Option<String>, layout: &crate::config::Layout) -> Vec<String> {
+    use crate::parallel::mesh::{Coords, GroupKind};
     let kinds = [
         (GroupKind::Tp, "tp"),
         (GroupKind::Cp, "cp"),
@@ -215,10 +225,10 @@ pub fn groups_across_nodes(places: &[Place], layout: &crate::config::Layout) -> 
     ];
     let mut lines = vec![];
     for (kind, name) in kinds {
-        let mut groups: BTreeMap<usize, BTreeSet<&str>> = BTreeMap::new();
+        let mut groups: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
         for rank in 0..layout.world_size() {
             let (color, _) = Coords::of_rank(rank, layout).color_key(kind, layout);
-            if let Some(host) = host_of.get(&rank) {
+            if let Some(host) = host_of(rank) {
                 groups.entry(color).or_default().insert(host);
             }
         }
@@ -230,7 +240,7 @@ pub fn groups_across_nodes(places: &[Place], layout: &crate::config::Layout) -> 
         let what = format!("{spanning} of {} {name} group(s) span nodes (up to {widest} nodes each)", groups.len());
         lines.push(match kind {
             GroupKind::Tp | GroupKind::Cp => format!(
-                "warning: {what}: their collectives run inside every layer and cross the network; keep {name} within a node                  (ranks per node a multiple of tp × cp)"
+                "warning: {what}: their collectives run inside every layer and cross the network; keep {name} within a node (ranks per node a multiple of tp × cp)"
             ),
             _ => format!("nodes: {what}"),
         });
@@ -282,6 +292,20 @@ pub fn table(places: &[Place], automatic: bool) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The plan's view of 4 ranks on nodes of 2: with tp 2 × cp 2 the cp groups span nodes (a
+    /// warning), the tp groups do not; with tp 4 the tp group does; on one node of 4 nothing.
+    #[test]
+    fn planned_nodes_name_the_groups_that_span_them() {
+        use crate::config::Layout;
+        let layout = |cp, tp| Layout { pp: 1, dp_replicate: 1, dp_shard: 4 / (cp * tp), cp, tp };
+        let lines = groups_across_planned_nodes(2, &layout(2, 2));
+        assert!(lines.iter().any(|l| l.starts_with("warning: 2 of 2 cp group(s) span nodes")), "{lines:?}");
+        assert!(!lines.iter().any(|l| l.contains(" tp group")), "{lines:?}");
+        let lines = groups_across_planned_nodes(2, &layout(1, 4));
+        assert!(lines.iter().any(|l| l.starts_with("warning: 1 of 1 tp group(s) span nodes (up to 2 nodes each)")), "{lines:?}");
+        assert!(groups_across_planned_nodes(4, &layout(2, 2)).is_empty());
+    }
 
     fn cpus(a: usize, b: usize) -> Vec<usize> {
         (a..b).collect()

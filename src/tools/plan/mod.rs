@@ -391,6 +391,13 @@ pub fn command(
     out += &format!("parameters: {n} ({} in f32; with gradients and AdamW moments {})\n", bytes(n * 4), bytes(n * 16));
     let p = plan(&res);
     out += &describe(&p, &res, &hw);
+    // Where the job's nodes are known (the option, or the deck's [hardware]), which groups
+    // cross them.
+    if ranks_per_node.is_some() || hw.ranks_per_node > 1 {
+        for line in crate::run::placement::groups_across_planned_nodes(hw.ranks_per_node, &res.layout) {
+            out += &format!("{line}\n");
+        }
+    }
     let c = cost(&p, &res.deck, &hw, peak);
     out += &format!(
         "\ncost model: {:.3} s compute + {:.3} s communication = {:.3} s per step, {:.0} tokens/s (peak {:.3e} FLOP/s per rank{})\n",
