@@ -24,7 +24,7 @@ RESULT="${RESULT:-benches/results/plan_vs_measured.md}"
 
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export OMPI_MCA_mpi_yield_when_idle=1
-rm -rf "$OUT"; mkdir -p "$OUT"
+rm -rf "$OUT"; mkdir -p "$OUT/runs"
 
 launch() { # launch RANKS ARGS...: mpirun as this bench places that many ranks
     local n="$1"; shift
@@ -45,7 +45,7 @@ for n in $RANKS; do
     "$NDTRAIN" plan "$deck" --ranks "$n" --all-layouts "${variant[@]}" > "$OUT/plan_$n.txt"
     # Rows of the ranking: rank pp dp_rep dp_sh cp tp accum mem... ; the step time is the
     # column before tokens/s.
-    awk -v n="$n" '$1 ~ /^[0-9]+$/ && NF >= 16 { print n, $2, $3, $4, $5, $6, $(NF-1) }' "$OUT/plan_$n.txt" \
+    awk -v n="$n" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= 16 { print n, $2, $3, $4, $5, $6, $(NF-1) }' "$OUT/plan_$n.txt" \
         | { if [ "$LIMIT" -gt 0 ]; then head -n "$LIMIT"; else cat; fi } >> "$OUT/layouts.txt"
 done
 
@@ -73,18 +73,19 @@ done
     echo "- command: RANKS=\"$RANKS\" STEPS=$STEPS ROUNDS=$ROUNDS benches/plan_vs_measured.sh (binary $NDTRAIN)"
     echo "- measured: the median over $ROUNDS interleaved round(s) of each run's median s/step after its first step"
     echo
-    echo "| ranks | layout (pp dp_rep dp_shard cp tp) | predicted s/step | measured s/step | error |"
-    echo "|---|---|---|---|---|"
-    awk '{ key = $1 " " $2 " " $3 " " $4 " " $5 " " $6; pred[key] = $7; m[key] = m[key] " " $8; if (!(key in seen)) { seen[key] = 1; order[++k] = key } }
-         END { for (i = 1; i <= k; i++) { key = order[i]; n = split(m[key], v, " "); asort(v);
-               med = (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2; split(key, f, " ");
-               printf "| %s | %s %s %s %s %s | %.3f | %.3f | %+.1f%% |\n", f[1], f[2], f[3], f[4], f[5], f[6], pred[key], med, 100 * (pred[key] - med) / med } }' \
-        "$OUT/measured.txt"
 } > "$OUT/table.md"
-python3 - "$OUT/table.md" >> "$OUT/table.md" <<'EOF'
-import sys
-rows = [l.split("|")[1:-1] for l in open(sys.argv[1]) if l.startswith("| ") and l[2].isdigit()]
-rows = [(int(r[0]), r[1].strip(), float(r[2]), float(r[3]), float(r[4].strip(" %+"))) for r in rows]
+python3 - "$OUT/measured.txt" >> "$OUT/table.md" <<'EOF'
+import statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    n, pp, rep, shard, cp, tp, pred, meas = line.split()
+    key = (int(n), f"pp={pp} dp_rep={rep} dp_shard={shard} cp={cp} tp={tp}")
+    runs.setdefault(key, [float(pred), []])[1].append(float(meas))
+rows = [(n, layout, pred, statistics.median(m), len(m)) for (n, layout), (pred, m) in runs.items()]
+print("| ranks | layout | predicted s/step | measured s/step | runs | error |")
+print("|---|---|---|---|---|---|")
+for n, layout, pred, meas, k in rows:
+    print(f"| {n} | {layout} | {pred:.3f} | {meas:.3f} | {k} | {100 * (pred - meas) / meas:+.1f} % |")
 within = sum(1 for r in rows if abs(r[2] - r[3]) <= 0.2 * r[3])
 print(f"\n{within} of {len(rows)} layouts predicted within ±20 %.\n")
 for n in sorted({r[0] for r in rows}):

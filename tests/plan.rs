@@ -152,3 +152,47 @@ fn the_llama3_405b_layouts_plan_and_fit() {
         assert!((p.bubble - 15.0 / 31.0).abs() < 1e-12);
     }
 }
+
+/// `probe --deck` then `plan` on the tiny deck (2 ranks, FSDP, bigger micro-batches so a step
+/// is mostly compute), against the same layout trained: the predicted step time within a factor
+/// of 2 of the measured median (a planner that ignored the calibration, or timed the model at
+/// the FMA peak, misses by far more on this model of small GEMMs).
+#[test]
+fn probe_then_plan_predicts_a_measured_step_within_a_factor_of_two() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = ["train.micro_batch=4", "train.global_batch=16", "train.seq_len=128", "run.steps=6", "optim.warmup_steps=1"];
+    let set_args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
+    let deck = tiny_deck();
+    let mut args = vec!["probe", "--deck", deck.to_str().unwrap()];
+    args.extend(&set_args);
+    let o = run_mpi(2, &args);
+    assert!(o.status.success(), "{}", text(&o));
+    let probe = String::from_utf8_lossy(&o.stdout).to_string();
+    let hardware = &probe[probe.find("[hardware]").expect("a [hardware] table")..];
+    for key in ["cores_per_node", "gemm_half_rate_flops", "block_other_s_per_token", "optimizer_bandwidth", "intra_node_latency"] {
+        assert!(hardware.contains(key), "{key} missing:\n{probe}");
+    }
+    let calibrated = dir.path().join("calibrated.toml");
+    std::fs::write(&calibrated, std::fs::read_to_string(&deck).unwrap() + "\n" + hardware).unwrap();
+    let mut args = vec!["plan", calibrated.to_str().unwrap(), "--ranks", "2"];
+    args.extend(&set_args);
+    let o = run_single(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let plan = String::from_utf8_lossy(&o.stdout).to_string();
+    let predicted: f64 = plan
+        .lines()
+        .find_map(|l| l.strip_prefix("predicted step time: "))
+        .and_then(|v| v.trim_end_matches(" s").parse().ok())
+        .unwrap_or_else(|| panic!("no predicted step time:\n{plan}"));
+    let out = dir.path().join("run");
+    let set_out = format!("run.out_dir=\"{}\"", out.display());
+    let mut args = vec!["train", calibrated.to_str().unwrap(), "--set", &set_out];
+    args.extend(&set_args);
+    let o = run_mpi(2, &args);
+    assert!(o.status.success(), "{}", text(&o));
+    let mut steps = column(&out, "step_s")[1..].to_vec();
+    steps.sort_by(f64::total_cmp);
+    let measured = steps[steps.len() / 2];
+    let ratio = predicted / measured;
+    assert!((0.5..2.0).contains(&ratio), "predicted {predicted} s, measured {measured} s (ratio {ratio:.2})\n{plan}");
+}

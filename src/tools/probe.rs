@@ -59,6 +59,9 @@ pub struct Calibration {
     /// `(latency s, bandwidth bytes/s)` of the node's all-reduce, all-gather, reduce-scatter
     /// (`None` on one rank).
     pub collectives: Option<[(f64, f64); 3]>,
+    /// What a blocking 8-byte all-reduce costs between compute chunks, beyond the chunks:
+    /// the wait for peers that the scheduler has not run yet (0 on one rank).
+    pub sync_wait_s: f64,
     /// One rank's measured forward + backward and optimiser seconds, for the report.
     pub model_fb_s: f64,
     pub model_opt_s: f64,
@@ -83,13 +86,15 @@ pub fn run_deck(deck_path: &Path, set: &[String]) -> Result<Option<String>, Stri
     cal.model_fb_s = world_max(&world, fb);
     cal.model_opt_s = world_max(&world, opt);
     let tokens = (deck.train.micro_batch * deck.train.seq_len) as f64;
-    let gemm_s: f64 = model_gemms(&deck.model, tokens as usize, 1, 1).iter().map(|&(f, n)| n * 3.0 * f / cal.rate(f)).sum();
+    let gemm_s: f64 =
+        model_gemms(&deck.model, tokens as usize, 1, deck.model.n_layers).iter().map(|&(f, n)| n * 3.0 * f / cal.rate(f)).sum();
     cal.block_other_s_per_token = ((cal.model_fb_s - gemm_s) / (tokens * deck.model.n_layers as f64)).max(0.0);
     cal.optimizer_bandwidth = 28.0 * params as f64 / cal.model_opt_s.max(1e-9);
     world.barrier();
     cal.memory_bandwidth = world_min(&world, memory_bandwidth());
     if world.size() > 1 {
         cal.collectives = Some(collectives(&world));
+        cal.sync_wait_s = sync_wait(&world);
     }
     // The groups are freed before `rt` finalises MPI (locals drop in reverse order).
     Ok((world.rank() == 0).then(|| describe(&cal, deck_path)))
@@ -185,7 +190,7 @@ fn model_step(deck: &Deck, alone: Group) -> Result<(f64, f64, usize), String> {
         }
     }
     let params = crate::model::params::param_specs(&res.deck.model).iter().map(|s| s.numel()).sum();
-    Ok((median(&mut fb), median(&mut opt), params))
+    Ok((median(&fb), median(&opt), params))
 }
 
 /// Latency and bandwidth of the program's all-reduce, all-gather and reduce-scatter over
@@ -208,7 +213,7 @@ fn collectives(world: &Group) -> [(f64, f64); 3] {
             }
             times.push(world_max(world, t.elapsed().as_secs_f64()));
         }
-        median(&mut times)
+        median(&times)
     };
     let big = 2 << 20;
     [0usize, 1, 2].map(|kind| {
@@ -222,6 +227,35 @@ fn collectives(world: &Group) -> [(f64, f64); 3] {
         let bandwidth = steps / n as f64 * buffer / (large - small).max(1e-9);
         (latency, bandwidth)
     })
+}
+
+/// The median seconds a blocking 8-byte all-reduce adds between compute chunks of about a
+/// block's GEMM (20 rounds with, 20 without, every rank at once): in training every exchange
+/// comes between compute, and where ranks share cores a peer may not be running when it is
+/// needed (the latency of a quiet probe misses that).
+fn sync_wait(world: &Group) -> f64 {
+    let (rows, n) = (256, 512);
+    let x = vec![0.5f32; rows * n];
+    let w = vec![0.25f32; n * n];
+    let mut y = vec![0.0f32; rows * n];
+    let mut tiny = [1.0f32; 2];
+    let mut rounds = |sync: bool| {
+        world.barrier();
+        let t = Instant::now();
+        for _ in 0..20 {
+            linear_fwd(&mut y, &x, &w, rows, n, n, false);
+            if sync {
+                world.all_reduce_sum_f32(&mut tiny);
+            }
+        }
+        world_max(world, t.elapsed().as_secs_f64()) / 20.0
+    };
+    let (mut with, mut without) = (vec![], vec![]);
+    for _ in 0..3 {
+        without.push(rounds(false));
+        with.push(rounds(true));
+    }
+    (median(&with) - median(&without)).max(0.0)
 }
 
 /// The report rank 0 prints: what was measured, then the `[hardware]` table.
@@ -248,7 +282,10 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
             c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
         );
         let bw = c.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
-        let lat = c.iter().map(|x| x.0).fold(0.0, f64::max);
+        // The all-reduce's cost counts 2(n−1) latencies: the wait between compute spread so.
+        let steps = 2.0 * (cal.ranks_per_node.max(2) - 1) as f64;
+        s += &format!("# a blocking all-reduce between compute chunks waits {:.2e} s\n", cal.sync_wait_s);
+        let lat = c.iter().map(|x| x.0).fold(cal.sync_wait_s / steps, f64::max);
         s += &format!("intra_node_bandwidth = {bw:.4e}\nintra_node_latency = {lat:.4e}\n");
     }
     s

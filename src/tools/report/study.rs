@@ -146,8 +146,8 @@ pub(super) fn points(runs: &[PointRun]) -> (Vec<PointStats>, Vec<RunLog>) {
             let (mut medians, mut notes, mut mixed, mut tokens) = (vec![], vec![], false, 0);
             for r in repeats {
                 match outcome(r) {
-                    Ok((Outcome::Timed { mut step_s, mixed: m, tokens_per_step }, log)) => {
-                        medians.push(median(&mut step_s));
+                    Ok((Outcome::Timed { step_s, mixed: m, tokens_per_step }, log)) => {
+                        medians.push(median(&step_s));
                         mixed |= m;
                         tokens = tokens_per_step;
                         logs.extend(log);
@@ -164,7 +164,7 @@ pub(super) fn points(runs: &[PointRun]) -> (Vec<PointStats>, Vec<RunLog>) {
                 usable: medians.len(),
                 mixed,
                 tokens_per_step: tokens,
-                median_s: if medians.is_empty() { f64::NAN } else { median(&mut medians) },
+                median_s: if medians.is_empty() { f64::NAN } else { median(&medians) },
                 min_s,
                 max_s,
                 predicted_s: predicted_step_s(&repeats[0].deck, repeats[0].ranks).ok(),

@@ -295,21 +295,6 @@ pub(super) fn plural(n: usize) -> &'static str {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn numbers_for_people() {
-        assert_eq!(fmt_num(0.58751), "0.5875");
-        assert_eq!(fmt_num(1275.6), "1276");
-        assert_eq!(fmt_num(0.0), "0");
-        assert_eq!(fmt_num(2.5e-5), "2.500e-5");
-        assert_eq!(fmt_bytes(1713152.0), "1.63 MiB");
-        assert_eq!(fmt_bytes(16.0), "16 B");
-    }
-}
-
 /// `study.md`: every point's median step time over its usable repeats with the spread, the
 /// planner's prediction beside it, the efficiency table, and the repeats left out.
 pub(super) fn study_markdown(points: &[PointStats], unread: &[String]) -> String {
@@ -394,4 +379,19 @@ pub(super) fn study_csv(points: &[PointStats]) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_for_people() {
+        assert_eq!(fmt_num(0.58751), "0.5875");
+        assert_eq!(fmt_num(1275.6), "1276");
+        assert_eq!(fmt_num(0.0), "0");
+        assert_eq!(fmt_num(2.5e-5), "2.500e-5");
+        assert_eq!(fmt_bytes(1713152.0), "1.63 MiB");
+        assert_eq!(fmt_bytes(16.0), "16 B");
+    }
 }
