@@ -514,10 +514,11 @@ pub struct HardwareCfg {
     /// the peak); `ndtrain probe --deck` fits it on the deck's shapes.
     pub gemm_half_rate_flops: f64,
     /// Seconds per token per transformer block of forward + backward outside the GEMMs
-    /// (attention, norms, activations, residuals), measured on the real model; 0 = uncalibrated.
+    /// (attention, norms, activations, residuals), measured on the real model.
     pub block_other_s_per_token: f64,
     /// Bytes/s of the optimiser's memory traffic (28 bytes per parameter: AdamW reads
-    /// p, g, m, v and writes p, m, v), measured on the real model; 0 = uncalibrated.
+    /// p, g, m, v and writes p, m, v), measured on the real model. With this or
+    /// `block_other_s_per_token` above 0 the planner uses its calibrated time model.
     pub optimizer_bandwidth: f64,
     /// Triad memory bandwidth of one rank with every rank busy, bytes/s (0 = unknown).
     pub memory_bandwidth: f64,

@@ -26,7 +26,7 @@ impl StageTime {
 
 /// Whether `hw` carries the probe's calibration (else compute is FLOPs over the peak).
 pub fn calibrated(hw: &HardwareCfg) -> bool {
-    hw.block_other_s_per_token > 0.0
+    hw.block_other_s_per_token > 0.0 || hw.optimizer_bandwidth > 0.0
 }
 
 /// The GEMM rate of one GEMM of `flops` FLOPs: `peak × f / (f + half)`.
