@@ -173,7 +173,7 @@ fn fit_gemm(world: &Group, m: &ModelCfg, tokens: usize, cal: &mut Calibration) {
 }
 
 /// One micro-batch of the real model on this rank alone (`alone`: a group of one): the median
-/// forward + backward and optimiser seconds of 3 steps after one warm-up, and the parameters.
+/// forward + backward and optimiser seconds of 5 steps after one warm-up, and the parameters.
 fn model_step(deck: &Deck, alone: Group) -> Result<(f64, f64, usize), String> {
     let mut d = deck.clone();
     let p = &mut d.parallel;
@@ -186,7 +186,7 @@ fn model_step(deck: &Deck, alone: Group) -> Result<(f64, f64, usize), String> {
     let be = Cpu { precision: res.deck.train.precision, staged: false };
     let mut trainer = Trainer::seeded(be, MeshCollectives::host(&mesh), &res, &mesh).map_err(|e| e.to_string())?;
     let (mut fb, mut opt) = (vec![], vec![]);
-    for step in 0..4u64 {
+    for step in 0..6u64 {
         let out = trainer.step(step).map_err(|e| e.to_string())?;
         if step > 0 {
             let ph = &out.phases;
