@@ -9,6 +9,8 @@
 # of each run's steps after the first is its s/step, and the median over rounds is measured.
 # 1 rank runs unbound on both cores, 2 ranks bound one per core (Open MPI's default), 4 ranks
 # oversubscribed and unbound with mpi_yield_when_idle.
+# The binary is `cargo build --release`'s (NDTRAIN= another one; an optimised build with debug
+# assertions, as the tests build it, runs several times slower).
 #   benches/plan_vs_measured.sh                     # the record, ~15 min on 2 quiet cores
 #   RANKS="1 2" STEPS=3 ROUNDS=1 LIMIT=2 benches/plan_vs_measured.sh    # a quick try
 set -euo pipefail
@@ -18,7 +20,7 @@ STEPS="${STEPS:-4}"
 ROUNDS="${ROUNDS:-2}"
 RANKS="${RANKS:-1 2 4}"
 LIMIT="${LIMIT:-0}"
-NDTRAIN="${NDTRAIN:-target/debug/ndtrain}"
+NDTRAIN="${NDTRAIN:-target/release/ndtrain}"
 OUT="${OUT:-out/bench_plan_vs_measured}"
 RESULT="${RESULT:-benches/results/plan_vs_measured.md}"
 
