@@ -43,10 +43,18 @@ enum Cmd {
     },
     /// Measure this rank's f32 GEMM rate, its cores' f32 FMA peak and its memory bandwidth on
     /// its threads (the `[hardware]` peak for MFU and planning, and what the silicon can do).
+    /// With `--deck`, run under mpirun as training would: every rank measures at once the
+    /// deck's GEMMs, its model's step, memory bandwidth and collectives, for `plan`'s time model.
     Probe {
-        /// Threads (default: all cores).
+        /// Threads (default: all cores; with `--deck`, training's choice).
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// Calibrate the planner on this deck's shapes and model (an MPI program).
+        #[arg(long)]
+        deck: Option<PathBuf>,
+        /// Override a deck key: `--set table.key=value` (repeatable, with `--deck`).
+        #[arg(long = "set", value_name = "TABLE.KEY=VALUE", requires = "deck")]
+        set: Vec<String>,
     },
     /// Prepare token files.
     Data {
@@ -56,9 +64,13 @@ enum Cmd {
     /// Summarise the logs of one or more runs: Markdown/CSV tables and PNG plots.
     Report {
         /// Run directories (each holding deck.toml, metrics.csv and timing/).
-        #[arg(required = true)]
+        #[arg(required_unless_present = "study", conflicts_with = "study")]
         runs: Vec<PathBuf>,
-        /// Where to write the report (default: `<first run>/report`).
+        /// A study folder of `ndtrain sweep` (its points.csv): every point's median over its
+        /// repeats, the spread, and the planner's prediction beside it.
+        #[arg(long)]
+        study: Option<PathBuf>,
+        /// Where to write the report (default: `<first run>/report`, `<study>/report`).
         #[arg(long)]
         out: Option<PathBuf>,
     },
@@ -167,7 +179,13 @@ pub fn main() -> i32 {
         Cmd::Plan { deck, ranks, ranks_per_node, all_layouts, set } => {
             printed(crate::tools::plan::command(&deck, ranks, ranks_per_node, all_layouts, &set), BAD_INPUT)
         }
-        Cmd::Probe { threads } => printed(Ok::<_, String>(crate::tools::probe::report(threads)), RUN_FAILED),
+        Cmd::Probe { threads, deck: None, .. } => printed(Ok::<_, String>(crate::tools::probe::report(threads)), RUN_FAILED),
+        Cmd::Probe { threads, deck: Some(deck), mut set } => {
+            if threads > 0 {
+                set.push(format!("run.threads={threads}"));
+            }
+            printed(crate::tools::probe::run_deck(&deck, &set).map(Option::unwrap_or_default), BAD_INPUT)
+        }
         Cmd::GpuCheck { layout } => match crate::tools::gpu_check::run(layout) {
             Ok(report) => printed(Ok::<_, String>(report.map(|r| r + "\n").unwrap_or_default()), RUN_FAILED),
             Err(f) => {
@@ -200,9 +218,11 @@ pub fn main() -> i32 {
             let study = study.expect("clap requires the study without a subcommand");
             printed(crate::tools::sweep::run(&study, out.as_deref()).map(|points| sweep_lines(&points)), BAD_INPUT)
         }
-        Cmd::Report { runs, out } => {
-            let out = out.unwrap_or_else(|| runs[0].join("report"));
-            let wrote = crate::tools::report::run(&runs, &out);
+        Cmd::Report { runs, study, out } => {
+            let wrote = match study {
+                Some(dir) => crate::tools::report::run_study(&dir, &out.unwrap_or_else(|| dir.join("report"))),
+                None => crate::tools::report::run(&runs, &out.unwrap_or_else(|| runs[0].join("report"))),
+            };
             printed(wrote.map(|files| files.iter().map(|f| format!("wrote {}\n", f.display())).collect::<String>()), RUN_FAILED)
         }
         Cmd::Data { cmd: DataCmd::Prepare { input, output, tokenizer, dataset } } => {

@@ -225,19 +225,116 @@ fn a_malformed_row_fails_naming_file_and_line() {
     assert!(!o.status.success() && err.contains(&format!("{}:5", timing.display())), "{err}");
 }
 
+/// Without a TrueType font (the font lookup pointed at an empty folder) the tables are still
+/// written, the plots are skipped with one warning; with the default search they are drawn.
 #[test]
-fn a_missing_font_fails_saying_what_to_install() {
+fn without_a_font_the_tables_are_written_and_the_plots_skipped_with_one_warning() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("good");
     handmade_run(&run, GOOD_ROWS);
     let out = dir.path().join("out");
+    let no_fonts = dir.path().join("no_fonts");
+    std::fs::create_dir_all(&no_fonts).unwrap();
     let args = ["report", run.to_str().unwrap(), "--out", out.to_str().unwrap()];
-    let o = mpi_env(&mut std::process::Command::new(bin())).env("NDTRAIN_FONT", "/nonexistent/font.ttf").args(args).output().unwrap();
-    assert!(!o.status.success(), "{}", text(&o));
+    let o = mpi_env(&mut std::process::Command::new(bin())).env("NDTRAIN_FONT", &no_fonts).args(args).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("/nonexistent/font.ttf") && err.contains("fonts-dejavu-core") && err.contains("NDTRAIN_FONT"), "{err}");
-    // With the font search of the default paths, the same run reports.
+    assert_eq!(err.matches("warning").count(), 1, "{err}");
+    assert!(err.contains("plots skipped") && err.contains("fonts-dejavu-core") && err.contains("NDTRAIN_FONT"), "{err}");
+    assert!(out.join("summary.md").exists() && out.join("summary.csv").exists());
+    assert!(!out.join("phases_good.png").exists());
+    // With the font search of the default paths, the same run reports with its plots.
     let o = run_single(&args);
     assert!(o.status.success(), "{}", text(&o));
     assert_real_png(&out.join("phases_good.png"));
+}
+
+/// `metrics.csv` rows of steps `1..` with the given step times.
+fn rows_with_times(times: &[f64]) -> Vec<String> {
+    times.iter().enumerate().map(|(i, t)| format!("{},4.5,1e-3,1,160,160,0.01,{t},{}", i + 1, t * (i + 1) as f64)).collect()
+}
+
+/// A finished (or other `status`) run of `times`, with `run.json` as `ndtrain train` writes it.
+fn study_run(dir: &Path, status: &str, times: &[f64], resumed_from: u64) {
+    let rows = rows_with_times(times);
+    let rows: Vec<&str> = rows.iter().map(String::as_str).collect();
+    handmade_run(dir, &rows);
+    let first = resumed_from + 1;
+    let json = format!(
+        "{{\"schema\": 1, \"status\": \"{status}\", \"results\": {{\"steps_run\": {}, \"first_step\": {first}, \"last_step\": {}, \"resumed_from_step\": {resumed_from}}}}}",
+        times.len() as u64 - resumed_from,
+        times.len()
+    );
+    std::fs::write(dir.join("run.json"), json).unwrap();
+}
+
+/// A study folder as `ndtrain sweep` leaves it: one point with two repeats (median and spread),
+/// one whose repeats are a preempted run and a missing folder, one resumed across allocations
+/// (timed over its last), one whose last allocation ran a single step (mixed). The report lists
+/// what it left out, and puts the planner's prediction beside each point.
+#[test]
+fn a_study_reports_medians_spread_predictions_and_what_it_left_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let study = dir.path().join("study");
+    let deck = dir.path().join("deck.toml");
+    let hw = "\n[hardware]\npeak_flops_per_rank = 1e9\nblock_other_s_per_token = 1e-6\n";
+    std::fs::write(&deck, std::fs::read_to_string(tiny_deck()).unwrap() + hw).unwrap();
+    let run = |name: &str| study.join(name);
+    study_run(&run("a1"), "finished", &[0.5, 0.1, 0.1, 0.1], 0);
+    study_run(&run("a2"), "finished", &[0.5, 0.3, 0.3, 0.3], 0);
+    study_run(&run("b1"), "preempted", &[0.5, 0.2], 0);
+    study_run(&run("c1"), "finished", &[1.0, 1.0, 1.0, 0.9, 0.4, 0.4], 3);
+    study_run(&run("d1"), "finished", &[0.6, 0.6, 0.6, 0.6], 3);
+    let mut points = String::from("label,ranks,repeat,run_dir,deck,job\n");
+    for (label, repeat, name) in [("a", 1, "a1"), ("a", 2, "a2"), ("b", 1, "b1"), ("b", 2, "b2"), ("c", 1, "c1"), ("d", 1, "d1")] {
+        points += &format!("{label},1,{repeat},{},{},{}\n", run(name).display(), deck.display(), study.join("job.sh").display());
+    }
+    std::fs::write(study.join("points.csv"), points).unwrap();
+    let out = dir.path().join("report");
+    let o = run_single(&["report", "--study", study.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let rows = csv_rows(&out.join("study.csv"));
+    let by = |p: &str| rows.iter().find(|r| r["point"] == p).unwrap_or_else(|| panic!("no point {p}: {rows:?}")).clone();
+    let a = by("a");
+    assert_eq!((num(&a, "median_step_s"), num(&a, "min_step_s"), num(&a, "max_step_s")), (0.2, 0.1, 0.3));
+    assert_eq!(a["usable"], "2");
+    assert!(num(&a, "predicted_step_s") > 0.0, "{a:?}");
+    let b = by("b");
+    assert_eq!(b["usable"], "0");
+    assert!(b["note"].contains("preempted") && b["note"].contains("repeat 2"), "{b:?}");
+    // The last allocation: steps 4-6, its first left out.
+    assert_eq!(num(&by("c"), "median_step_s"), 0.4);
+    assert_eq!(by("c")["mixed"], "false");
+    assert_eq!(by("d")["mixed"], "true");
+    let md = std::fs::read_to_string(out.join("study.md")).unwrap();
+    assert!(md.contains("Not reported") && md.contains("Strong scaling efficiency") && md.contains("mixed"), "{md}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("preempted") && err.contains(run("b2").to_str().unwrap()), "{err}");
+    // The readable repeats also get the usual report.
+    assert!(out.join("summary.md").exists());
+    // A study of which nothing can be read fails, naming why.
+    let empty = dir.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::write(
+        empty.join("points.csv"),
+        format!("label,ranks,repeat,run_dir,deck,job\nx,1,1,{},{},j\n", run("b2").display(), deck.display()),
+    )
+    .unwrap();
+    let o = run_single(&["report", "--study", empty.to_str().unwrap()]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("b2"), "{}", text(&o));
+}
+
+/// A list of run folders of which one is missing: it is listed, the rest reported.
+#[test]
+fn a_missing_run_is_listed_and_the_rest_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good");
+    handmade_run(&good, GOOD_ROWS);
+    let gone = dir.path().join("gone");
+    let out = dir.path().join("out");
+    let o = report(&[good, gone.clone()], &out);
+    assert!(o.status.success(), "{}", text(&o));
+    let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(md.contains("Not reported") && md.contains(gone.to_str().unwrap()), "{md}");
+    assert_eq!(csv_rows(&out.join("summary.csv")).len(), 1);
 }

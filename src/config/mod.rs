@@ -522,6 +522,20 @@ pub struct HardwareCfg {
     pub intra_node_latency: f64,
     /// Latency of one message between nodes, seconds.
     pub inter_node_latency: f64,
+    /// Cores the ranks of a node share (0 = unknown: no oversubscription is modelled).
+    pub cores_per_node: usize,
+    /// FLOPs of one GEMM at which it runs at half of `peak_flops_per_rank` (0 = every GEMM at
+    /// the peak); `ndtrain probe --deck` fits it on the deck's shapes.
+    pub gemm_half_rate_flops: f64,
+    /// Seconds per token per transformer block of forward + backward outside the GEMMs
+    /// (attention, norms, activations, residuals), measured on the real model.
+    pub block_other_s_per_token: f64,
+    /// Bytes/s of the optimiser's memory traffic (28 bytes per parameter: AdamW reads
+    /// p, g, m, v and writes p, m, v), measured on the real model. With this or
+    /// `block_other_s_per_token` above 0 the planner uses its calibrated time model.
+    pub optimizer_bandwidth: f64,
+    /// Triad memory bandwidth of one rank with every rank busy, bytes/s (0 = unknown).
+    pub memory_bandwidth: f64,
 }
 
 impl Default for HardwareCfg {
@@ -536,6 +550,11 @@ impl Default for HardwareCfg {
             inter_node_bandwidth: 12.5e9,
             intra_node_latency: 1e-6,
             inter_node_latency: 5e-6,
+            cores_per_node: 0,
+            gemm_half_rate_flops: 0.0,
+            block_other_s_per_token: 0.0,
+            optimizer_bandwidth: 0.0,
+            memory_bandwidth: 0.0,
         }
     }
 }

@@ -161,6 +161,10 @@ impl Deck {
             ("inter_node_bandwidth", h.inter_node_bandwidth),
             ("intra_node_latency", h.intra_node_latency),
             ("inter_node_latency", h.inter_node_latency),
+            ("gemm_half_rate_flops", h.gemm_half_rate_flops),
+            ("block_other_s_per_token", h.block_other_s_per_token),
+            ("optimizer_bandwidth", h.optimizer_bandwidth),
+            ("memory_bandwidth", h.memory_bandwidth),
         ] {
             non_negative_finite("hardware", key, v)?;
         }

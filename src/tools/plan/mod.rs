@@ -10,8 +10,10 @@
 //! Knows nothing of MPI or training.
 
 mod text;
+pub mod time;
 
 pub use text::{describe, describe_ranking};
+pub use time::StageTime;
 
 use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, PpSchedule, Resolved};
 use crate::model::params::Dims;
@@ -266,6 +268,10 @@ pub struct Cost {
     pub fits: Option<bool>,
     /// Tensor-parallel groups stay inside a node.
     pub tp_in_node: bool,
+    /// With a calibrated `[hardware]`: each stage's compute by part (the first alone without
+    /// a pipeline), and the seconds the pipeline's bubble adds; empty and 0 otherwise.
+    pub stages: Vec<StageTime>,
+    pub bubble_s: f64,
 }
 
 /// How many consecutive ranks a group's members span: groups of inner axes are runs of
@@ -325,11 +331,22 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
         let t = factor * ((n - 1.0) / n * b / bw + (n - 1.0) * lat * calls);
         *comm_s.entry(group.to_string()).or_default() += t;
     }
-    let compute_s = p.flops_per_rank / peak_flops.max(1.0);
-    // A pipeline rank idles `bubble` of the step: the busy time is the rest.
     let bubble = p.bubble;
-    let step_s = (compute_s + comm_s.values().sum::<f64>()) / (1.0 - bubble);
+    let (compute_s, stages, bubble_s, step_s) = if time::calibrated(hw) {
+        // The slowest stage sets the pace; communication is counted exposed.
+        let stages = time::stage_times(p, deck, hw, peak_flops);
+        let busy = stages.iter().map(StageTime::total).fold(0.0, f64::max);
+        let idle = time::bubble_s(busy, bubble, l.pp, hw);
+        (busy, stages, idle, busy + idle + comm_s.values().sum::<f64>())
+    } else {
+        let compute_s = p.flops_per_rank / peak_flops.max(1.0);
+        // A pipeline rank idles `bubble` of the step: the busy time is the rest.
+        let step_s = (compute_s + comm_s.values().sum::<f64>()) / (1.0 - bubble);
+        (compute_s, vec![], step_s - (compute_s + comm_s.values().sum::<f64>()), step_s)
+    };
     Cost {
+        stages,
+        bubble_s,
         compute_s,
         comm_s,
         step_s,
@@ -399,10 +416,12 @@ pub fn command(
         }
     }
     let c = cost(&p, &res.deck, &hw, peak);
+    out += &text::time_lines(&c);
     out += &format!(
-        "\ncost model: {:.3} s compute + {:.3} s communication = {:.3} s per step, {:.0} tokens/s (peak {:.3e} FLOP/s per rank{})\n",
+        "\ncost model: {:.3} s compute + {:.3} s bubble + {:.3} s communication = {:.3} s per step, {:.0} tokens/s (peak {:.3e} FLOP/s per rank{})\n",
         c.compute_s,
-        c.step_s - c.compute_s,
+        c.bubble_s,
+        c.step_s - c.compute_s - c.bubble_s,
         c.step_s,
         c.tokens_per_s,
         peak,

@@ -142,6 +142,32 @@ fn stage_table(s: &mut String, p: &RankPlan, place: &str) {
     let _ = writeln!(s, "  largest peak: stage {}, {} MiB", worst.stage, mib(worst.peak_bytes()));
 }
 
+/// The calibrated time model's parts, per pipeline stage (nothing when uncalibrated).
+pub fn time_lines(c: &Cost) -> String {
+    let mut s = String::new();
+    if c.stages.is_empty() {
+        return s;
+    }
+    let _ = writeln!(s, "\npredicted compute per step, s (docs/planning.md, Predicted step time):");
+    let _ = writeln!(s, "  {:>5} {:>10} {:>10} {:>10} {:>10} {:>10}", "stage", "GEMM", "other", "gradients", "optimizer", "total");
+    for (i, st) in c.stages.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "  {i:>5} {:>10.4} {:>10.4} {:>10.4} {:>10.4} {:>10.4}",
+            st.gemm_s,
+            st.other_s,
+            st.grad_s,
+            st.optimizer_s,
+            st.total()
+        );
+    }
+    for (g, t) in &c.comm_s {
+        let _ = writeln!(s, "  communication {g:<8} {t:>10.4} (exposed)");
+    }
+    let _ = writeln!(s, "predicted step time: {:.4} s", c.step_s);
+    s
+}
+
 /// The ranked table `ndtrain plan --all-layouts` prints.
 pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &HardwareCfg, peak_flops: f64) -> String {
     let mut s = String::new();
@@ -159,7 +185,7 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
     );
     let _ = writeln!(
         s,
-        "\n{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>13}  note",
+        "\n{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10} {:>13}  note",
         "rank",
         "pp",
         "dp_rep",
@@ -175,6 +201,7 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
         "pp s",
         "dp s",
         "bubble",
+        "step s",
         "tokens/s"
     );
     for (i, (p, c)) in ranked.iter().enumerate() {
@@ -189,7 +216,7 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
         }
         let _ = writeln!(
             s,
-            "{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>6.1}% {:>13.0}  {}",
+            "{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>6.1}% {:>10.4} {:>13.0}  {}",
             i + 1,
             l.pp,
             l.dp_replicate,
@@ -205,6 +232,7 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
             g("pp"),
             g("dp_rep") + g("batch"),
             100.0 * c.bubble,
+            c.step_s,
             c.tokens_per_s,
             note.join(", ")
         );

@@ -18,35 +18,79 @@ mod plots;
 mod read;
 mod scaling;
 mod stats;
+mod study;
 mod tables;
 
 use read::{unique_names, RunLog};
 use scaling::Scaling;
 use stats::RunStats;
 use std::path::{Path, PathBuf};
-use tables::{scaling_csv, summary_csv, summary_markdown};
+use tables::{scaling_csv, study_csv, study_markdown, summary_csv, summary_markdown};
 
-/// Writes the report of `runs` into `out` (created); returns the files written.
+/// Writes the report of `runs` into `out` (created); returns the files written. A run that
+/// cannot be read is listed under *Not reported* (and on stderr); only when none can be read
+/// is it an error.
 pub fn run(runs: &[PathBuf], out: &Path) -> Result<Vec<PathBuf>, String> {
     if runs.is_empty() {
         return Err("ndtrain report: no run directories given".into());
     }
-    let logs = runs.iter().map(|dir| RunLog::read(dir)).collect::<Result<Vec<_>, _>>()?;
-    let names = unique_names(&logs);
+    let (mut logs, mut unread) = (vec![], vec![]);
+    for dir in runs {
+        match RunLog::read(dir) {
+            Ok(log) => logs.push(log),
+            Err(e) => unread.push(e),
+        }
+    }
+    if logs.is_empty() {
+        return Err(unread.join("\n"));
+    }
+    for u in &unread {
+        eprintln!("warning: not reported: {u}");
+    }
+    write_report(&logs, &unread, out)
+}
+
+/// `ndtrain report --study DIR`: the study's `points.csv` (`study.rs`) as `study.md` and
+/// `study.csv`, and the usual report of every repeat that could be read, into `out`.
+pub fn run_study(study: &Path, out: &Path) -> Result<Vec<PathBuf>, String> {
+    let runs = study::read_points(study)?;
+    let (points, logs) = study::points(&runs);
+    let unread: Vec<String> = points.iter().flat_map(|p| p.notes.iter().map(move |n| format!("{}: {n}", p.label))).collect();
+    if logs.is_empty() {
+        return Err(format!("{}: no run of the study can be read:\n{}", study.display(), unread.join("\n")));
+    }
+    for u in &unread {
+        eprintln!("warning: not in the medians: {u}");
+    }
+    std::fs::create_dir_all(out).map_err(|e| format!("cannot create the report directory {}: {e}", out.display()))?;
+    let mut written = vec![
+        write_text(&out.join("study.md"), &study_markdown(&points, &unread))?,
+        write_text(&out.join("study.csv"), &study_csv(&points))?,
+    ];
+    written.extend(write_report(&logs, &[], out)?);
+    Ok(written)
+}
+
+/// The tables and plots of readable `logs` (`unread`: the runs listed as not reported).
+fn write_report(logs: &[RunLog], unread: &[String], out: &Path) -> Result<Vec<PathBuf>, String> {
+    let names = unique_names(logs);
     let summaries = logs.iter().zip(names).map(|(log, name)| RunStats::of(log, name)).collect::<Result<Vec<_>, _>>()?;
     let scaling = (summaries.len() >= 2).then(|| Scaling::of(&summaries));
-    // Before anything is written: a missing font should not leave half a report behind.
-    plots::register_font()?;
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create the report directory {}: {e}", out.display()))?;
-
-    let mut written = vec![
-        write_text(&out.join("summary.md"), &summary_markdown(&summaries, scaling.as_ref()))?,
-        write_text(&out.join("summary.csv"), &summary_csv(&summaries))?,
-    ];
+    let mut md = summary_markdown(&summaries, scaling.as_ref());
+    if !unread.is_empty() {
+        md += "\n## Not reported\n\n";
+        md += &unread.iter().map(|u| format!("- {u}\n")).collect::<String>();
+    }
+    let mut written = vec![write_text(&out.join("summary.md"), &md)?, write_text(&out.join("summary.csv"), &summary_csv(&summaries))?];
     if let Some(s) = &scaling {
         written.push(write_text(&out.join("scaling.csv"), &scaling_csv(s))?);
     }
-    written.extend(plots::write_figures(&summaries, scaling.as_ref(), out)?);
+    // Without a font the tables stand alone: one warning, no figures.
+    match plots::register_font() {
+        Ok(()) => written.extend(plots::write_figures(&summaries, scaling.as_ref(), out)?),
+        Err(e) => eprintln!("warning: plots skipped: {e}"),
+    }
     Ok(written)
 }
 

@@ -19,7 +19,7 @@ pub(super) struct CsvTable {
 }
 
 impl CsvTable {
-    fn read(path: &Path) -> Result<CsvTable, String> {
+    pub(super) fn read(path: &Path) -> Result<CsvTable, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let mut lines = text.lines().enumerate();
         let header: Vec<String> = match lines.next() {
@@ -35,6 +35,11 @@ impl CsvTable {
             rows.push((index + 1, fields));
         }
         Ok(CsvTable { path: path.to_path_buf(), header, rows })
+    }
+
+    /// `(line number, fields)` of every row.
+    pub(super) fn rows(&self) -> impl Iterator<Item = (usize, &[String])> {
+        self.rows.iter().map(|(line, f)| (*line, f.as_slice()))
     }
 
     pub(super) fn index_of(&self, name: &str) -> Option<usize> {

@@ -6,6 +6,7 @@
 
 use super::scaling::{Scaling, ScalingMode};
 use super::stats::{collectives_of, RunStats};
+use super::study::{efficiency, scaling_mode, PointStats};
 use crate::metrics::{fmt_bytes, PHASES};
 use std::fmt::Write as _;
 
@@ -292,6 +293,92 @@ pub(super) fn plural(n: usize) -> &'static str {
     } else {
         "s"
     }
+}
+
+/// `study.md`: every point's median step time over its usable repeats with the spread, the
+/// planner's prediction beside it, the efficiency table, and the repeats left out.
+pub(super) fn study_markdown(points: &[PointStats], unread: &[String]) -> String {
+    let mut md = String::from("# ndtrain study report\n\n## Points\n\n");
+    md += "Median over the usable repeats of each repeat's median step time (its first step left out from 3 steps on); ";
+    md += "spread = the repeats' min–max; predicted = `ndtrain plan` with the deck's `[hardware]`.\n\n";
+    md += &md_header(&[
+        "point",
+        "ranks",
+        "repeats used",
+        "median s/step",
+        "spread (min–max)",
+        "predicted s/step",
+        "predicted / measured",
+        "note",
+    ]);
+    for p in points {
+        let pred = p.predicted_s.map(fmt_num).unwrap_or_else(|| "n/a".into());
+        let ratio = p.predicted_s.map(|x| fmt_num(x / p.median_s)).unwrap_or_else(|| "n/a".into());
+        let mut note = p.notes.clone();
+        if p.mixed {
+            note.insert(0, "mixed: steps of more than one allocation".into());
+        }
+        md += &md_row(&[
+            p.label.clone(),
+            p.ranks.to_string(),
+            format!("{} of {}", p.usable, p.repeats),
+            fmt_num(p.median_s),
+            format!("{}–{}", fmt_num(p.min_s), fmt_num(p.max_s)),
+            pred,
+            ratio,
+            note.join("; "),
+        ]);
+    }
+    if let Some((mode, base)) = scaling_mode(points) {
+        let _ = write!(md, "\n## {} scaling efficiency\n\nAgainst {} ({} ranks).\n\n", capital(mode), base.label, base.ranks);
+        md += &md_header(&["point", "ranks", "measured efficiency", "predicted efficiency"]);
+        for p in points.iter().filter(|p| p.usable > 0) {
+            let predicted = match (p.predicted_s, base.predicted_s) {
+                (Some(t), Some(b)) => fmt_num(efficiency(mode, t, p.ranks, b, base.ranks)),
+                _ => "n/a".into(),
+            };
+            md += &md_row(&[
+                p.label.clone(),
+                p.ranks.to_string(),
+                fmt_num(efficiency(mode, p.median_s, p.ranks, base.median_s, base.ranks)),
+                predicted,
+            ]);
+        }
+    }
+    if !unread.is_empty() {
+        md += "\n## Not reported\n\n";
+        for u in unread {
+            let _ = writeln!(md, "- {u}");
+        }
+    }
+    md
+}
+
+fn capital(s: &str) -> String {
+    let mut c = s.chars();
+    c.next().map(|f| f.to_uppercase().collect::<String>() + c.as_str()).unwrap_or_default()
+}
+
+/// `study.csv`: one row per point.
+pub(super) fn study_csv(points: &[PointStats]) -> String {
+    let mut s = String::from("point,ranks,repeats,usable,mixed,median_step_s,min_step_s,max_step_s,predicted_step_s,note\n");
+    for p in points {
+        let _ = writeln!(
+            s,
+            "{},{},{},{},{},{},{},{},{},{}",
+            csv_field(&p.label),
+            p.ranks,
+            p.repeats,
+            p.usable,
+            p.mixed,
+            csv_num(p.median_s),
+            csv_num(p.min_s),
+            csv_num(p.max_s),
+            p.predicted_s.map(csv_num).unwrap_or_default(),
+            csv_field(&p.notes.join("; "))
+        );
+    }
+    s
 }
 
 #[cfg(test)]
