@@ -13,6 +13,9 @@
 # assertions, as the tests build it, runs several times slower).
 #   benches/plan_vs_measured.sh                     # the record, ~15 min on 2 quiet cores
 #   RANKS="1 2" STEPS=3 ROUNDS=1 LIMIT=2 benches/plan_vs_measured.sh    # a quick try
+#   REPLAN=1 benches/plan_vs_measured.sh            # the predictions again from the recorded run's
+#                                                   # decks (probe output included) and the same
+#                                                   # measurements, after a change to the model
 set -euo pipefail
 
 DECK="${DECK:-inputs/bench_small.toml}"
@@ -24,9 +27,10 @@ NDTRAIN="${NDTRAIN:-target/release/ndtrain}"
 OUT="${OUT:-out/bench_plan_vs_measured}"
 RESULT="${RESULT:-benches/results/plan_vs_measured.md}"
 
+REPLAN="${REPLAN:-0}"
+
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export OMPI_MCA_mpi_yield_when_idle=1
-rm -rf "$OUT"; mkdir -p "$OUT/runs"
 
 launch() { # launch RANKS ARGS...: mpirun as this bench places that many ranks
     local n="$1"; shift
@@ -38,17 +42,39 @@ launch() { # launch RANKS ARGS...: mpirun as this bench places that many ranks
 }
 
 variant=(--set train.micro_batch=1 --set train.global_batch=4 --set log.every=1000 --set optim.warmup_steps=1)
+
+# predicted N DECK: `plan --all-layouts` of deck DECK on N ranks, one line per layout:
+# N pp dp_rep dp_sh cp tp step_s (the ranking's column before tokens/s).
+predicted() {
+    "$NDTRAIN" plan "$2" --ranks "$1" --all-layouts "${variant[@]}" > "$OUT/plan_$1.txt"
+    awk -v n="$1" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= 16 { print n, $2, $3, $4, $5, $6, $(NF-1) }' "$OUT/plan_$1.txt"
+}
+
+if [ "$REPLAN" = 1 ]; then
+    [ -s "$OUT/measured.txt" ] || { echo "REPLAN=1: no $OUT/measured.txt of a recorded run" >&2; exit 2; }
+    : > "$OUT/replanned.txt"
+    awk '{ print $1 }' "$OUT/measured.txt" | sort -un | while read -r n; do
+        predicted "$n" "$OUT/deck_$n.toml" >> "$OUT/replanned.txt"
+    done
+    # The recorded measurements with the new predictions (matched by ranks and layout).
+    awk 'NR == FNR { p[$1 " " $2 " " $3 " " $4 " " $5 " " $6] = $7; next }
+         { k = $1 " " $2 " " $3 " " $4 " " $5 " " $6; if (!(k in p)) { print "no prediction for " k > "/dev/stderr"; exit 1 }
+           $7 = p[k]; print }' "$OUT/replanned.txt" "$OUT/measured.txt" > "$OUT/measured.new"
+    mv "$OUT/measured.new" "$OUT/measured.txt"
+    # The recorded run's header (its date, machine and command), and when and where the
+    # predictions were made again.
+    { awk 'NF == 0 && ++blank == 2 { exit } { print }' "$OUT/table.md"
+      echo "- predictions recomputed $(date -u '+%Y-%m-%d %H:%M UTC') at commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown) from the recorded run's probe output; measurements as recorded"
+      echo; } > "$OUT/header.md"
+else
+rm -rf "$OUT"; mkdir -p "$OUT/runs"
 : > "$OUT/layouts.txt"
 for n in $RANKS; do
     echo "+ probe on $n rank(s)"
     launch "$n" "$NDTRAIN" probe --deck "$DECK" "${variant[@]}" > "$OUT/probe_$n.txt"
     deck="$OUT/deck_$n.toml"
     { cat "$DECK"; echo; sed -n '/^\[hardware\]/,$p' "$OUT/probe_$n.txt"; } > "$deck"
-    "$NDTRAIN" plan "$deck" --ranks "$n" --all-layouts "${variant[@]}" > "$OUT/plan_$n.txt"
-    # Rows of the ranking: rank pp dp_rep dp_sh cp tp accum mem... ; the step time is the
-    # column before tokens/s.
-    awk -v n="$n" '$1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && NF >= 16 { print n, $2, $3, $4, $5, $6, $(NF-1) }' "$OUT/plan_$n.txt" \
-        | { if [ "$LIMIT" -gt 0 ]; then head -n "$LIMIT"; else cat; fi } >> "$OUT/layouts.txt"
+    predicted "$n" "$deck" | { if [ "$LIMIT" -gt 0 ]; then head -n "$LIMIT"; else cat; fi } >> "$OUT/layouts.txt"
 done
 
 for round in $(seq 1 "$ROUNDS"); do
@@ -66,16 +92,21 @@ for round in $(seq 1 "$ROUNDS"); do
         echo "$n $pp $rep $shard $cp $tp $predicted $measured" >> "$OUT/measured.txt"
     done < "$OUT/layouts.txt"
 done
+fi
 
-{
-    echo "# Planned against measured step time, bench_small (micro_batch 1, global_batch 4)"
-    echo
-    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    echo "- machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; load at the end $(cut -d' ' -f1-3 /proc/loadavg)"
-    echo "- command: RANKS=\"$RANKS\" STEPS=$STEPS ROUNDS=$ROUNDS benches/plan_vs_measured.sh (binary $NDTRAIN)"
-    echo "- measured: the median over $ROUNDS interleaved round(s) of each run's median s/step after its first step"
-    echo
-} > "$OUT/table.md"
+if [ "$REPLAN" = 1 ]; then
+    cp "$OUT/header.md" "$OUT/table.md"
+else
+    {
+        echo "# Planned against measured step time, bench_small (micro_batch 1, global_batch 4)"
+        echo
+        echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+        echo "- machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores; load at the end $(cut -d' ' -f1-3 /proc/loadavg)"
+        echo "- command: RANKS=\"$RANKS\" STEPS=$STEPS ROUNDS=$ROUNDS benches/plan_vs_measured.sh (binary $NDTRAIN)"
+        echo "- measured: the median over $ROUNDS interleaved round(s) of each run's median s/step after its first step"
+        echo
+    } > "$OUT/table.md"
+fi
 python3 - "$OUT/measured.txt" >> "$OUT/table.md" <<'EOF'
 import statistics, sys
 runs = {}

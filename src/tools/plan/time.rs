@@ -76,15 +76,17 @@ pub fn oversubscription(hw: &HardwareCfg) -> f64 {
 }
 
 /// The idle seconds of a step with `busy` seconds of the slowest stage and the schedule's idle
-/// `bubble` fraction. Where ranks share cores the probe measured every rank busy; while a stage
-/// waits, the busy ranks run up to `min(oversubscription, pp)` times faster, so the bubble
-/// shrinks by that factor.
+/// `bubble` fraction. Where ranks share cores the probe measured every rank busy at once; while
+/// a stage waits, the ranks that can run go up to `f = min(oversubscription, pp)` times faster.
+/// So the step is the longer of the ranks' work (`busy`: the cores do not idle while enough
+/// ranks can run) and the pipeline's critical path at that speed (`busy / (f·(1 − bubble))`).
+/// With a core per rank (`f = 1`) the second is the whole bubble.
 pub fn bubble_s(busy: f64, bubble: f64, pp: usize, hw: &HardwareCfg) -> f64 {
     if bubble <= 0.0 || bubble >= 1.0 {
         return 0.0;
     }
-    let filled = oversubscription(hw).min(pp as f64).max(1.0);
-    busy * bubble / (1.0 - bubble) / filled
+    let f = oversubscription(hw).min(pp as f64).max(1.0);
+    (busy / (f * (1.0 - bubble)) - busy).max(0.0)
 }
 
 #[cfg(test)]
@@ -92,11 +94,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn oversubscribed_ranks_fill_part_of_the_bubble() {
+    fn oversubscribed_ranks_fill_the_bubble_up_to_the_critical_path() {
         let mut hw = HardwareCfg { ranks_per_node: 4, cores_per_node: 2, ..HardwareCfg::default() };
         assert_eq!(oversubscription(&hw), 2.0);
-        // 1F1B on 2 stages with 4 micro-batches: bubble 1/5, idle 1/4 of the busy time.
-        assert!((bubble_s(1.0, 0.2, 2, &hw) - 0.125).abs() < 1e-12);
+        // 1F1B on 2 stages with 4 micro-batches (bubble 1/5): the other pipeline's ranks fill
+        // it; 4 stages with 2 micro-batches (bubble 3/5): the critical path at twice the speed
+        // is 1.25 of the busy time.
+        assert_eq!(bubble_s(1.0, 0.2, 2, &hw), 0.0);
+        assert!((bubble_s(1.0, 0.6, 4, &hw) - 0.25).abs() < 1e-12);
         hw.ranks_per_node = 2;
         assert_eq!(oversubscription(&hw), 1.0);
         assert!((bubble_s(1.0, 0.2, 2, &hw) - 0.25).abs() < 1e-12);
