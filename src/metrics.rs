@@ -36,8 +36,11 @@ macro_rules! say {
 pub fn matmul_params(cfg: &ModelCfg) -> u64 {
     let (d, f, hd) = (cfg.d_model as u64, cfg.ffn_hidden as u64, cfg.head_dim() as u64);
     let (q, kv) = (cfg.n_heads as u64 * hd, cfg.n_kv_heads as u64 * hd);
-    let per_layer = q * d + 2 * kv * d + d * q + 3 * f * d;
-    cfg.n_layers as u64 * per_layer + cfg.vocab_size as u64 * d
+    let attention = q * d + 2 * kv * d + d * q;
+    // A mixture-of-experts block's active weights: the router and the k experts a token uses.
+    let experts = cfg.n_experts as u64 * d + cfg.experts_per_token as u64 * 3 * cfg.moe_ffn_hidden as u64 * d;
+    let mlp = |l: usize| if cfg.moe_layer(l) { experts } else { 3 * f * d };
+    (0..cfg.n_layers).map(|l| attention + mlp(l)).sum::<u64>() + cfg.vocab_size as u64 * d
 }
 
 /// Training FLOPs per token (`docs/model.md`): `6·N_matmul + 12·L·H·hd·S`, no causal halving
@@ -103,6 +106,9 @@ pub struct StepRecord {
     pub world: usize,
     /// The held-out loss after this step, where `[eval]` computed one.
     pub val_loss: Option<f64>,
+    /// A mixture of experts' auxiliary load-balancing loss (the mean over the batch's
+    /// sequences, before its coefficient).
+    pub aux_loss: Option<f64>,
 }
 
 /// `<out_dir>/metrics.csv`: one row per optimiser step, written by rank 0.
@@ -114,14 +120,15 @@ impl MetricsCsv {
     /// Creates the file, or on a resume at step `resumed_at` keeps the rows of steps up to it
     /// (a run that continues in its own directory keeps one unbroken log).
     pub fn create(path: &Path, resumed_at: u64) -> std::io::Result<Self> {
-        let out = open_log(path, "step,loss,lr,grad_norm,tokens_per_s,tokens_per_s_per_rank,mfu,step_s,elapsed_s,val_loss", resumed_at)?;
+        let out =
+            open_log(path, "step,loss,lr,grad_norm,tokens_per_s,tokens_per_s_per_rank,mfu,step_s,elapsed_s,val_loss,aux_loss", resumed_at)?;
         Ok(MetricsCsv { out })
     }
 
     pub fn append(&mut self, r: &StepRecord) -> std::io::Result<()> {
         writeln!(
             self.out,
-            "{},{:.16e},{:.16e},{:.16e},{:.6e},{:.6e},{:.6e},{:.6e},{:.6e},{}",
+            "{},{:.16e},{:.16e},{:.16e},{:.6e},{:.6e},{:.6e},{:.6e},{:.6e},{},{}",
             r.step,
             r.loss,
             r.lr,
@@ -131,7 +138,8 @@ impl MetricsCsv {
             r.mfu,
             r.step_s,
             r.elapsed_s,
-            r.val_loss.map_or(String::new(), |v| format!("{v:.16e}"))
+            r.val_loss.map_or(String::new(), |v| format!("{v:.16e}")),
+            r.aux_loss.map_or(String::new(), |v| format!("{v:.16e}"))
         )?;
         self.out.flush()
     }
@@ -427,6 +435,7 @@ mod tests {
             rope_theta: 1e4,
             norm_eps: 1e-5,
             tie_embeddings: false,
+            ..ModelCfg::default()
         };
         // 8 · (4·512² + 3·512·1536) + 4096·512
         assert_eq!(matmul_params(&cfg), 8 * (4 * 512 * 512 + 3 * 512 * 1536) + 4096 * 512);

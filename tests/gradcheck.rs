@@ -31,6 +31,7 @@ fn small_cfg(tie: bool) -> ModelCfg {
         rope_theta: 10000.0,
         norm_eps: 1e-5,
         tie_embeddings: tie,
+        ..ModelCfg::default()
     }
 }
 
@@ -71,6 +72,12 @@ fn check_cfg(cfg: &ModelCfg, ckpt: ActCkpt, how: Backward) {
     let positions: Vec<usize> = (0..s).collect();
     let tok = Tokens { inputs: &inputs, targets: &targets, positions: &positions, batch: b, seq: s };
     let scale = 1.0 / (b * s) as f64;
+    // The objective: the mean cross entropy plus, with experts, the auxiliary loss averaged
+    // over the micro-batch's sequences times its coefficient.
+    let objective = |model: &mut Model<f64>, p: &ModelParams<f64>| {
+        let ce = model.forward(p, &tok) * scale;
+        ce + cfg.router_aux_loss_coef * model.aux_loss_sum() / b as f64
+    };
 
     let params = perturbed_params(&cfg);
     let mut model = Model::<f64>::new(&cfg, ckpt);
@@ -95,9 +102,9 @@ fn check_cfg(cfg: &ModelCfg, ckpt: ActCkpt, how: Backward) {
         for (i, &g) in analytic.iter().enumerate() {
             let orig = probe.tensors()[ti][i];
             probe.tensors_mut()[ti][i] = orig + FD_STEP;
-            let lp = model.forward(&probe, &tok) * scale;
+            let lp = objective(&mut model, &probe);
             probe.tensors_mut()[ti][i] = orig - FD_STEP;
-            let lm = model.forward(&probe, &tok) * scale;
+            let lm = objective(&mut model, &probe);
             probe.tensors_mut()[ti][i] = orig;
             let fd = (lp - lm) / (2.0 * FD_STEP);
             worst = worst.max((fd - g).abs() / max_abs);
@@ -119,6 +126,25 @@ fn qwen3_attention_gradient_matches_finite_differences() {
     let cfg = ModelCfg { qk_norm: true, head_dim: 6, ..small_cfg(false) };
     check_cfg(&cfg, ActCkpt::None, Backward::Whole);
     check_cfg(&cfg, ActCkpt::Selective, Backward::Split);
+}
+
+/// A mixture of experts (4 experts, top-2) after a dense block: the router through the softmax,
+/// the top-k choice and its renormalisation (on and off), every expert's FFN, and the
+/// auxiliary loss over both sparse blocks; full checkpointing recomputes the routing.
+#[test]
+fn mixture_of_experts_gradient_matches_finite_differences() {
+    let moe = ModelCfg {
+        n_layers: 3,
+        n_experts: 4,
+        experts_per_token: 2,
+        moe_ffn_hidden: 12,
+        first_dense_layers: 1,
+        router_aux_loss_coef: 0.3,
+        ..small_cfg(false)
+    };
+    check_cfg(&moe, ActCkpt::None, Backward::Whole);
+    let qwen3_moe = ModelCfg { norm_topk_prob: false, qk_norm: true, head_dim: 6, ..moe };
+    check_cfg(&qwen3_moe, ActCkpt::Full, Backward::Whole);
 }
 
 /// Zero bubble's split backward, with the recomputation of full checkpointing (the kept

@@ -1,4 +1,5 @@
-//! The library against Hugging Face `LlamaForCausalLM` and `Qwen3ForCausalLM` on one rank, f32 and f64: logits, loss, each gradient and parameter.
+//! The library against Hugging Face `LlamaForCausalLM`, `Qwen3ForCausalLM`, `MixtralForCausalLM`
+//! and `Qwen3MoeForCausalLM` on one rank, f32 and f64: logits, loss, each gradient and parameter.
 //!
 //! The reference is the committed state in `tests/reference/data/` (made by
 //! `tests/reference/generate.py`; versions, date and every hyper-parameter in `meta.json`, see
@@ -7,7 +8,9 @@
 //! `tests/reference_logs.rs`.
 //!
 //! For each case (`untied`, `tied`, and `qwen3`: Qwen3's per-head q/k norm with a head width of 24
-//! apart from hidden / heads = 16) the model is imported with `ndtrain::io::hf::load_params` from
+//! apart from hidden / heads = 16; `mixtral` and `qwen3_moe`: 8 experts, top-2, GQA, the
+//! auxiliary loss on with coefficient 0.1, Qwen3-MoE without top-k renormalisation and with
+//! Qwen3's attention) the model is imported with `ndtrain::io::hf::load_params` from
 //! the folder `save_pretrained` wrote, then checked on one batch (logits, mean loss, the
 //! gradient of every parameter) and over five AdamW steps with warm-up + cosine LR and active
 //! gradient clipping (each step's LR, loss and pre-clip gradient norm, and the final
@@ -31,6 +34,7 @@
 use std::path::{Path, PathBuf};
 
 use ndtrain::config::{ActCkpt, ModelCfg, OptimCfg, Schedule};
+use ndtrain::io::hf::Family;
 use ndtrain::model::params::{param_specs, ModelParams};
 use ndtrain::model::{Model, Tokens};
 use ndtrain::optim::{clip_coefficient, global_grad_norm, lr_at, scale_grads, AdamW};
@@ -105,19 +109,42 @@ fn num(v: &Value, key: &str) -> f64 {
 fn model_cfg(config: &Value) -> ModelCfg {
     let count = |k: &str| num(config, k) as usize;
     let theta = config.get("rope_parameters").map(|r| num(r, "rope_theta")).unwrap_or_else(|| num(config, "rope_theta"));
+    let model_type = config["model_type"].as_str().expect("model_type");
+    let moe = match model_type {
+        // Mixtral's intermediate_size is each expert's width; it always renormalises the top-k.
+        "mixtral" => ModelCfg {
+            n_experts: count("num_local_experts"),
+            experts_per_token: count("num_experts_per_tok"),
+            moe_ffn_hidden: count("intermediate_size"),
+            norm_topk_prob: true,
+            router_aux_loss_coef: num(config, "router_aux_loss_coef"),
+            ..ModelCfg::default()
+        },
+        "qwen3_moe" => ModelCfg {
+            n_experts: count("num_local_experts"),
+            experts_per_token: count("num_experts_per_tok"),
+            moe_ffn_hidden: count("moe_intermediate_size"),
+            norm_topk_prob: config["norm_topk_prob"].as_bool().expect("norm_topk_prob"),
+            router_aux_loss_coef: num(config, "router_aux_loss_coef"),
+            ..ModelCfg::default()
+        },
+        _ => ModelCfg::default(),
+    };
+    let head_dim = config.get("head_dim").and_then(Value::as_u64).unwrap_or(0) as usize;
     ModelCfg {
         vocab_size: count("vocab_size"),
         d_model: count("hidden_size"),
         n_layers: count("num_hidden_layers"),
         n_heads: count("num_attention_heads"),
         n_kv_heads: count("num_key_value_heads"),
-        head_dim: count("head_dim"),
-        qk_norm: config["model_type"] == "qwen3",
+        head_dim,
+        qk_norm: model_type == "qwen3" || model_type == "qwen3_moe",
         ffn_hidden: count("intermediate_size"),
         max_seq_len: count("max_position_embeddings"),
         rope_theta: theta,
         norm_eps: num(config, "rms_norm_eps"),
         tie_embeddings: config["tie_word_embeddings"].as_bool().expect("tie_word_embeddings"),
+        ..moe
     }
 }
 
@@ -219,8 +246,9 @@ impl Checks {
 
 /// Runs the reference's optimiser steps (one `[B, S+1]` block of `train_tokens` per step) in
 /// PyTorch's order: zero grads, forward, backward, clip, AdamW step. Returns each step's mean
-/// loss (before its update), pre-clip gradient norm and learning rate.
-fn train<T: Real>(case: &Case, params: &mut ModelParams<T>) -> Vec<(f64, f64, f64)> {
+/// loss (before its update), pre-clip gradient norm, learning rate and mean auxiliary loss
+/// over the batch's sequences (0 for a dense model).
+fn train<T: Real>(case: &Case, params: &mut ModelParams<T>) -> Vec<(f64, f64, f64, f64)> {
     let (cfg, optim, steps) = (&case.cfg, &case.optim, case.steps);
     let positions: Vec<usize> = (0..case.seq).collect();
     let mut model = Model::<T>::new(cfg, ActCkpt::None);
@@ -232,6 +260,7 @@ fn train<T: Real>(case: &Case, params: &mut ModelParams<T>) -> Vec<(f64, f64, f6
         let tok = Tokens { inputs: &inputs, targets: &targets, positions: &positions, batch: case.batch, seq: case.seq };
         grads.fill_zero();
         let loss = model.forward(params, &tok) / case.n_targets();
+        let aux = model.aux_loss_sum() / case.batch as f64;
         model.backward(params, &mut grads, T::from_f64(1.0 / case.n_targets()));
         let norm = global_grad_norm(&grads);
         let coef = clip_coefficient(norm, optim.grad_clip);
@@ -239,7 +268,7 @@ fn train<T: Real>(case: &Case, params: &mut ModelParams<T>) -> Vec<(f64, f64, f6
         scale_grads(&mut grads, coef);
         let lr = lr_at(optim, optim.lr, s as u64, steps);
         opt.step(params, &grads, lr);
-        log.push((loss, norm, lr));
+        log.push((loss, norm, lr, aux));
     }
     assert_eq!(log.len(), steps as usize, "train_tokens holds {} batches, meta.json says {steps}", log.len());
     log
@@ -292,6 +321,11 @@ impl Case {
         Case { name, cfg, optim, steps, batch, seq, reference, tokens, train_tokens, initial }
     }
 
+    /// The reference's name of tensor `name` (Mixtral names its experts its own way).
+    fn file_name(&self, name: &str) -> String {
+        Family::of(&self.cfg).file_name(name)
+    }
+
     fn n_targets(&self) -> f64 {
         (self.batch * self.seq) as f64
     }
@@ -313,10 +347,22 @@ fn check_f32(case: &Case, checks: &mut Checks) {
     checks.check("logits [B, S, V]", "logits", rel_err(model.logits(), &want), LOGITS_REL_TOL);
     let want = r.f32s("loss").1[0] as f64;
     checks.check(&format!("loss {loss:.9} vs {want:.9}"), "loss", scalar_rel_err(loss, want), LOSS_REL_TOL);
+    if r.has("aux_loss") {
+        // Each sequence's auxiliary loss, as transformers computes it on a batch of one.
+        for (q, (load, &want)) in model.expert_loads().iter().zip(&r.f32s("aux_loss").1).enumerate() {
+            let aux = load.aux_loss();
+            checks.check(
+                &format!("sequence {q} aux loss {aux:.9} vs {want:.9}"),
+                "aux loss",
+                scalar_rel_err(aux, want as f64),
+                LOSS_REL_TOL,
+            );
+        }
+    }
     let mut grads = ModelParams::<f32>::zeros(cfg);
     model.backward(&case.initial, &mut grads, (1.0 / case.n_targets()) as f32);
     for (spec, g) in specs.iter().zip(grads.tensors()) {
-        let (shape, want) = r.f32s(&format!("grad.{}", spec.name));
+        let (shape, want) = r.f32s(&format!("grad.{}", case.file_name(&spec.name)));
         assert_eq!(shape, spec.shape, "grad.{}", spec.name);
         checks.check(&format!("grad {}", spec.name), "grad", rel_err(g, &want), GRAD_REL_TOL);
     }
@@ -325,8 +371,13 @@ fn check_f32(case: &Case, checks: &mut Checks) {
     let (want_losses, want_norms, want_lrs) = (r.f32s("train_losses").1, r.f32s("train_grad_norms").1, r.f64s("train_lrs"));
     let tol = if cfg.tie_embeddings { &TIED_TRAJECTORY_TOL } else { &UNTIED_TRAJECTORY_TOL };
     let mut params = case.initial.clone();
-    for (s, (loss, norm, lr)) in train(case, &mut params).into_iter().enumerate() {
+    let want_aux = r.has("train_aux_losses").then(|| r.f32s("train_aux_losses").1);
+    for (s, (loss, norm, lr, aux)) in train(case, &mut params).into_iter().enumerate() {
         checks.check(&format!("step {s} lr {lr:.6e}"), "lr", scalar_rel_err(lr, want_lrs[s]), LR_REL_TOL);
+        if let Some(w) = &want_aux {
+            let want = w[s] as f64;
+            checks.check(&format!("step {s} aux loss {aux:.9} vs {want:.9}"), "train aux loss", scalar_rel_err(aux, want), tol.loss);
+        }
         let want = want_losses[s] as f64;
         checks.check(&format!("step {s} loss {loss:.9} vs {want:.9}"), "train loss", scalar_rel_err(loss, want), tol.loss);
         let want = want_norms[s] as f64;
@@ -334,7 +385,7 @@ fn check_f32(case: &Case, checks: &mut Checks) {
     }
     let mut n_final = 0;
     for (spec, p) in specs.iter().zip(params.tensors()) {
-        let name = format!("final.{}", spec.name);
+        let name = format!("final.{}", case.file_name(&spec.name));
         if !r.has(&name) {
             continue; // the tied case stores only the embedding (size budget, see generate.py)
         }
@@ -360,16 +411,36 @@ fn check_f64(case: &Case, checks: &mut Checks) {
     let loss = model.forward(&initial, &tok) / case.n_targets();
     let want = r.f64s("f64.loss")[0];
     checks.check(&format!("f64 loss {loss:.15} vs {want:.15}"), "f64 loss", scalar_rel_err(loss, want), F64_LOSS_REL_TOL);
+    if r.has("f64.aux_loss") {
+        for (q, (load, &want)) in model.expert_loads().iter().zip(&r.f64s("f64.aux_loss")).enumerate() {
+            let aux = load.aux_loss();
+            checks.check(
+                &format!("f64 sequence {q} aux loss {aux:.15} vs {want:.15}"),
+                "f64 aux loss",
+                scalar_rel_err(aux, want),
+                F64_LOSS_REL_TOL,
+            );
+        }
+    }
     let mut grads = ModelParams::<f64>::zeros(cfg);
     model.backward(&initial, &mut grads, 1.0 / case.n_targets());
     for ((spec, g), w0) in specs.iter().zip(grads.tensors()).zip(initial.tensors()) {
-        let want = r.f64s(&format!("f64.grad_stats.{}", spec.name));
+        let want = r.f64s(&format!("f64.grad_stats.{}", case.file_name(&spec.name)));
         checks.check(&format!("f64 grad {}", spec.name), "f64 grad", stats_err(g, w0, &want), F64_GRAD_REL_TOL);
     }
 
     let (want_losses, want_norms) = (r.f64s("f64.train_losses"), r.f64s("f64.train_grad_norms"));
     let mut params = initial.clone();
-    for (s, (loss, norm, _)) in train(case, &mut params).into_iter().enumerate() {
+    let want_aux = r.has("f64.train_aux_losses").then(|| r.f64s("f64.train_aux_losses"));
+    for (s, (loss, norm, _, aux)) in train(case, &mut params).into_iter().enumerate() {
+        if let Some(w) = &want_aux {
+            checks.check(
+                &format!("f64 step {s} aux loss {aux:.15} vs {:.15}", w[s]),
+                "f64 train aux loss",
+                scalar_rel_err(aux, w[s]),
+                F64_TRAIN_REL_TOL,
+            );
+        }
         let want = want_losses[s];
         checks.check(
             &format!("f64 step {s} loss {loss:.15} vs {want:.15}"),
@@ -387,7 +458,7 @@ fn check_f64(case: &Case, checks: &mut Checks) {
     }
     for ((spec, p), w0) in specs.iter().zip(params.tensors()).zip(initial.tensors()) {
         let delta: Vec<f64> = p.iter().zip(w0.iter()).map(|(&p, &w)| p - w).collect();
-        let want = r.f64s(&format!("f64.final_delta_stats.{}", spec.name));
+        let want = r.f64s(&format!("f64.final_delta_stats.{}", case.file_name(&spec.name)));
         checks.check(&format!("f64 final - initial {}", spec.name), "f64 final", stats_err(&delta, w0, &want), F64_TRAIN_REL_TOL);
     }
 }
@@ -416,4 +487,14 @@ fn tied_model_matches_hugging_face() {
 #[test]
 fn qwen3_model_matches_hugging_face() {
     check_case("qwen3");
+}
+
+#[test]
+fn mixtral_model_matches_hugging_face() {
+    check_case("mixtral");
+}
+
+#[test]
+fn qwen3_moe_model_matches_hugging_face() {
+    check_case("qwen3_moe");
 }

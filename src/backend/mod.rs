@@ -254,6 +254,121 @@ pub trait Backend<T: Real> {
     /// `dtable[ids[n] − offset] += dx[n]` for the tokens this rank's rows hold, in token order.
     fn embed_bwd(&self, dtable: &mut Self::Buf, dx: &Self::Buf, ids: &Self::Ids, offset: usize, valid: usize, d: usize);
 
+    // ---- mixture of experts: rows routed to experts --------------------------------------
+    // Each has a default built from the operations above, correct on every backend; a backend
+    // overrides those it can do without the copies.
+    /// `dst [rows.len(), d] =` the rows `rows` of `src [R, d]` (an expert's tokens, gathered).
+    fn gather_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, rows: &[u32], d: usize)
+    where
+        Self: Sized,
+    {
+        let mut ids = Self::Ids::default();
+        self.set_ids(&mut ids, rows);
+        self.embed_fwd(dst, src, &ids, 0, self.len(src) / d, d);
+    }
+    /// `dst[rows[i]] += src[i]` for every row `i` of `src [rows.len(), d]`, in row order.
+    fn scatter_add_rows(&self, dst: &mut Self::Buf, src: &Self::Buf, rows: &[u32], d: usize)
+    where
+        Self: Sized,
+    {
+        let mut ids = Self::Ids::default();
+        self.set_ids(&mut ids, rows);
+        self.embed_bwd(dst, src, &ids, 0, self.len(dst) / d, d);
+    }
+    /// `x[r] *= s[r]` for every row of `x [s.len(), d]` (routed rows times their gate weights).
+    fn scale_rows(&self, x: &mut Self::Buf, s: &[T], d: usize)
+    where
+        Self: Sized,
+    {
+        with_host_mut(self, vec![x], |mut v| {
+            for (row, &c) in v[0].chunks_mut(d).zip(s) {
+                row.iter_mut().for_each(|y| *y *= c);
+            }
+        })
+    }
+    /// `Σ_c a[r, c] · b[r, c]` of every row of `a, b [R, d]`, summed in f64 in column order
+    /// (the gate weights' gradients).
+    fn row_dots(&self, a: &Self::Buf, b: &Self::Buf, d: usize) -> Vec<f64>
+    where
+        Self: Sized,
+    {
+        with_host(self, &[a, b], |v| {
+            v[0].chunks(d).zip(v[1].chunks(d)).map(|(x, y)| x.iter().zip(y).map(|(p, q)| p.to_f64() * q.to_f64()).sum()).collect()
+        })
+    }
+    /// One linear layer per group of rows (each expert's tokens): rows
+    /// `offsets[g]..offsets[g + 1]` of `x [M, k]` times `ws[g]ᵀ` (`[n, k]`) into the same rows of
+    /// `y [M, n]` (`=`).
+    fn grouped_linear_fwd(&self, y: &mut Self::Buf, x: &Self::Buf, ws: &[&Self::Buf], offsets: &[usize], n: usize, k: usize)
+    where
+        Self: Sized,
+    {
+        for (g, w) in ws.iter().enumerate() {
+            let (r0, r1) = (offsets[g], offsets[g + 1]);
+            if r1 > r0 {
+                let (mut xg, mut yg) = (self.zeros((r1 - r0) * k), self.zeros((r1 - r0) * n));
+                self.copy_range(&mut xg, 0, x, r0 * k..r1 * k);
+                self.linear_fwd(&mut yg, &xg, w, r1 - r0, n, k, false);
+                self.copy_range(y, r0 * n, &yg, 0..(r1 - r0) * n);
+            }
+        }
+    }
+    /// The input gradient of [`Backend::grouped_linear_fwd`]: `dx [M, k] (=|+=)` each group's
+    /// `dy · ws[g]`.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_linear_bwd_input(
+        &self,
+        dx: &mut Self::Buf,
+        dy: &Self::Buf,
+        ws: &[&Self::Buf],
+        offsets: &[usize],
+        n: usize,
+        k: usize,
+        acc: bool,
+    ) where
+        Self: Sized,
+    {
+        for (g, w) in ws.iter().enumerate() {
+            let (r0, r1) = (offsets[g], offsets[g + 1]);
+            if r1 > r0 {
+                let (mut dyg, mut dxg) = (self.zeros((r1 - r0) * n), self.zeros((r1 - r0) * k));
+                self.copy_range(&mut dyg, 0, dy, r0 * n..r1 * n);
+                self.linear_bwd_input(&mut dxg, &dyg, w, r1 - r0, n, k, false);
+                if acc {
+                    self.add_range(dx, r0 * k, &dxg, 0..(r1 - r0) * k);
+                } else {
+                    self.copy_range(dx, r0 * k, &dxg, 0..(r1 - r0) * k);
+                }
+            }
+        }
+    }
+    /// The weight gradients of [`Backend::grouped_linear_fwd`]: `dws[g] (=|+=) dy_gᵀ · x_g`.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_linear_bwd_weight(
+        &self,
+        dws: &mut [&mut Self::Buf],
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        offsets: &[usize],
+        n: usize,
+        k: usize,
+        acc: bool,
+    ) where
+        Self: Sized,
+    {
+        for (g, dw) in dws.iter_mut().enumerate() {
+            let (r0, r1) = (offsets[g], offsets[g + 1]);
+            if r1 > r0 {
+                let (mut dyg, mut xg) = (self.zeros((r1 - r0) * n), self.zeros((r1 - r0) * k));
+                self.copy_range(&mut dyg, 0, dy, r0 * n..r1 * n);
+                self.copy_range(&mut xg, 0, x, r0 * k..r1 * k);
+                self.linear_bwd_weight(dw, &dyg, &xg, r1 - r0, n, k, acc);
+            } else if !acc {
+                self.fill(dw, T::ZERO);
+            }
+        }
+    }
+
     // ---- cross entropy over (vocabulary-parallel) logits [N, v] --------------------------
     /// `m =` each row's maximum over its first `valid` columns.
     fn ce_row_max(&self, m: &mut Self::Buf, logits: &Self::Buf, v: usize, valid: usize);

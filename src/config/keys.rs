@@ -24,6 +24,10 @@ pub(crate) const ALIASES: &[(&str, &str, &str)] = &[
     ("parallel", "tensor_parallel_size", "tp"),
     ("parallel", "cp_size", "cp"),
     ("parallel", "context_parallel_size", "cp"),
+    ("model", "num_local_experts", "n_experts"),
+    ("model", "num_experts", "n_experts"),
+    ("model", "num_experts_per_tok", "experts_per_token"),
+    ("model", "moe_intermediate_size", "moe_ffn_hidden"),
 ];
 
 /// The tables of a deck, in the order of `Deck`'s fields.

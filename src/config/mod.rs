@@ -148,6 +148,23 @@ pub struct ModelCfg {
     /// RoPE, as Qwen3 does.
     pub qk_norm: bool,
     pub ffn_hidden: usize,
+    /// Experts of each mixture-of-experts block; 0: every block has a dense MLP of
+    /// `ffn_hidden`. Aliases: `num_local_experts` (Mixtral), `num_experts` (Qwen3-MoE).
+    pub n_experts: usize,
+    /// Experts each token is routed to (top-k). Alias: `num_experts_per_tok`.
+    pub experts_per_token: usize,
+    /// Width of each expert's SwiGLU FFN. Alias: `moe_intermediate_size`.
+    pub moe_ffn_hidden: usize,
+    /// Divide the chosen experts' probabilities by their sum (Mixtral always does; Qwen3-MoE
+    /// when its config says so).
+    pub norm_topk_prob: bool,
+    /// Blocks, from the first, that keep the dense MLP of `ffn_hidden` in a mixture of experts.
+    pub first_dense_layers: usize,
+    /// Weight of the auxiliary load-balancing loss in the gradient (`loss + coef · aux_loss`).
+    pub router_aux_loss_coef: f64,
+    /// Balancing without an auxiliary loss: after each step every expert's selection bias
+    /// moves by this much towards an even load (0: no bias).
+    pub router_bias_update_rate: f64,
     pub max_seq_len: usize,
     pub rope_theta: f64,
     pub norm_eps: f64,
@@ -165,6 +182,13 @@ impl Default for ModelCfg {
             head_dim: 0,
             qk_norm: false,
             ffn_hidden: 256,
+            n_experts: 0,
+            experts_per_token: 0,
+            moe_ffn_hidden: 0,
+            norm_topk_prob: true,
+            first_dense_layers: 0,
+            router_aux_loss_coef: 0.0,
+            router_bias_update_rate: 0.0,
             max_seq_len: 1024,
             rope_theta: 10000.0,
             norm_eps: 1e-5,
@@ -181,6 +205,16 @@ impl ModelCfg {
         } else {
             self.d_model / self.n_heads
         }
+    }
+
+    /// The model routes tokens to experts (`n_experts > 0`).
+    pub fn is_moe(&self) -> bool {
+        self.n_experts > 0
+    }
+
+    /// Block `layer` (0-based) has a mixture of experts rather than the dense MLP.
+    pub fn moe_layer(&self, layer: usize) -> bool {
+        self.is_moe() && layer >= self.first_dense_layers
     }
 }
 

@@ -297,7 +297,45 @@ impl Deck {
             err(format!("[model] head_dim{from} = {hd} is odd, but RoPE (rotate-half) needs an even head_dim"))
         })?;
         positive_finite("model", "rope_theta", m.rope_theta)?;
-        positive_finite("model", "norm_eps", m.norm_eps)
+        positive_finite("model", "norm_eps", m.norm_eps)?;
+        self.check_experts()
+    }
+
+    /// A mixture of experts' keys: all unset without `n_experts`, consistent with it.
+    fn check_experts(&self) -> Result<(), ConfigError> {
+        let m = &self.model;
+        if m.n_experts == 0 {
+            for (key, set) in [
+                ("experts_per_token", m.experts_per_token > 0),
+                ("moe_ffn_hidden", m.moe_ffn_hidden > 0),
+                ("first_dense_layers", m.first_dense_layers > 0),
+                ("router_aux_loss_coef", m.router_aux_loss_coef != 0.0),
+                ("router_bias_update_rate", m.router_bias_update_rate != 0.0),
+            ] {
+                need(!set, || {
+                    err(format!("[model] {key} is set, but n_experts = 0 (a dense model has no experts)"))
+                        .with_hint("set n_experts to make the blocks mixtures of experts, or remove the key")
+                })?;
+            }
+            return Ok(());
+        }
+        let (e, k) = (m.n_experts, m.experts_per_token);
+        need(k >= 1 && k <= e, || {
+            err(format!("[model] experts_per_token({k}) must be in 1..=n_experts({e})"))
+                .with_hint("each token is routed to experts_per_token of the n_experts experts (Mixtral: 2 of 8)")
+        })?;
+        at_least_one("model", "moe_ffn_hidden", m.moe_ffn_hidden as u64)?;
+        need(m.first_dense_layers <= m.n_layers, || {
+            err(format!("[model] first_dense_layers({}) exceeds n_layers({})", m.first_dense_layers, m.n_layers))
+        })?;
+        non_negative_finite("model", "router_aux_loss_coef", m.router_aux_loss_coef)?;
+        need(m.router_bias_update_rate == 0.0, || {
+            err(format!(
+                "[model] router_bias_update_rate = {}, but balancing by a selection bias is not trained yet",
+                num(m.router_bias_update_rate)
+            ))
+            .with_hint("set router_bias_update_rate = 0 and balance with router_aux_loss_coef")
+        })
     }
 
     fn check_parallel(&self) -> Result<(), ConfigError> {
@@ -489,6 +527,24 @@ impl Deck {
                     "[train] seq_len({sl}) is not divisible by cp({cp}) × tp({tp}) = {cp_tp}; sequence_parallel splits each rank's seq_len / cp tokens over the tp group"
                 ))
                 .with_hint(hint())
+            })?;
+        }
+        self.check_expert_layout(l)
+    }
+
+    /// The layouts a mixture of experts runs on: data parallelism (replicated and sharded)
+    /// only, so far.
+    fn check_expert_layout(&self, l: &Layout) -> Result<(), ConfigError> {
+        if !self.model.is_moe() {
+            return Ok(());
+        }
+        for (key, v) in [("pp", l.pp), ("cp", l.cp), ("tp", l.tp)] {
+            need(v == 1, || {
+                err(format!(
+                    "[parallel] {key} = {v}, but a mixture of experts ([model] n_experts = {}) runs with data parallelism only (dp_replicate × dp_shard) so far",
+                    self.model.n_experts
+                ))
+                .with_hint(format!("set {key} = 1 and spread the ranks over dp_shard"))
             })?;
         }
         Ok(())

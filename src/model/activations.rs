@@ -5,6 +5,7 @@
 //! Legend: `B` micro-batch, `S` sequence, `N = B·S` tokens, `N_local` rows of the residual
 //! stream on this rank, `D` width, `H` query heads, `KV` kv heads, `hd` head dim, `F` ffn hidden.
 
+use super::moe::RoutedRows;
 use super::params::Dims;
 use crate::backend::Backend;
 use crate::config::ActCkpt;
@@ -42,6 +43,36 @@ pub(super) struct BlockActs<V> {
     pub(super) k_raw: V,  // [N, KV*hd]
     pub(super) rstd_q: V, // [N·H]
     pub(super) rstd_k: V, // [N·KV]
+    // In a mixture-of-experts block (else empty), the routed rows `Nk = N·k` sorted by expert.
+    pub(super) moe_x: V,    // [Nk, D] each routed row's input
+    pub(super) moe_gate: V, // [Nk, Fe]
+    pub(super) moe_up: V,   // [Nk, Fe]
+    pub(super) moe_h: V,    // [Nk, Fe] silu(gate)·up
+    pub(super) moe_y: V,    // [Nk, D] the expert's output, before its gate weight
+    /// Which rows went to which experts (host memory).
+    pub(super) routed: RoutedRows,
+}
+
+/// The kinds of MLP a set of block buffers serves: a block's own, or (the recompute scratch
+/// shared by every block) all the kinds of the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Mlp {
+    pub(super) dense: bool,
+    pub(super) experts: bool,
+}
+
+impl Mlp {
+    /// Block `layer`'s (global index).
+    pub(super) fn of(m: &Dims, layer: usize) -> Mlp {
+        let experts = m.moe_layer(layer);
+        Mlp { dense: !experts, experts }
+    }
+
+    /// Every kind among the blocks `m` holds.
+    pub(super) fn all(m: &Dims) -> Mlp {
+        let kinds = m.layer_ids.iter().map(|&l| Mlp::of(m, l));
+        kinds.fold(Mlp { dense: false, experts: false }, |a, b| Mlp { dense: a.dense || b.dense, experts: a.experts || b.experts })
+    }
 }
 
 /// Which of [`BlockActs`]' fields (in declaration order) `selective` recomputes: xn1, att_tok,
@@ -57,8 +88,10 @@ pub(super) enum ActsRole {
 
 /// Element counts of every field of [`BlockActs`], in declaration order: what `alloc`
 /// allocates and what the planner predicts (one function, so the two cannot drift apart).
-pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole) -> [usize; 19] {
-    let (d, f, hd) = (m.d, m.ffn_local, m.hd);
+pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole, mlp: Mlp) -> [usize; 24] {
+    let (d, hd) = (m.d, m.hd);
+    let f = mlp.dense as usize * m.ffn_local;
+    let (nk, fe) = routed_rows(m, n, mlp);
     let nl = rows.local;
     let (qd, kvd) = (m.heads_local * hd, m.kv_heads_local * hd);
     let qk = m.qk_norm as usize;
@@ -83,6 +116,11 @@ pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, rol
         qk * n * kvd,
         qk * n * h,
         qk * n * kv,
+        nk * d,
+        nk * fe,
+        nk * fe,
+        nk * fe,
+        nk * d,
     ];
     let keep = |i: usize| match (ckpt, role) {
         (ActCkpt::None, ActsRole::Saved) | (ActCkpt::Full, ActsRole::Scratch) => true,
@@ -94,11 +132,55 @@ pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, rol
     std::array::from_fn(|i| if keep(i) { all[i] } else { 0 })
 }
 
+/// Routed rows `N·k` of a micro-batch of `n` rows, and the experts' width, where `mlp` has
+/// experts (else zeros).
+fn routed_rows(m: &Dims, n: usize, mlp: Mlp) -> (usize, usize) {
+    match m.moe.as_ref().filter(|_| mlp.experts) {
+        Some(e) => (n * e.router.top_k, e.ffn),
+        None => (0, 0),
+    }
+}
+
 impl<V> BlockActs<V> {
-    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole) -> Self {
-        let [x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h, q_raw, k_raw, rstd_q, rstd_k] =
-            block_acts_lens(m, n, rows, ckpt, role).map(|len| be.zeros(len));
-        BlockActs { x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h, q_raw, k_raw, rstd_q, rstd_k }
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(
+        be: &B,
+        m: &Dims,
+        n: usize,
+        rows: Rows,
+        ckpt: ActCkpt,
+        role: ActsRole,
+        mlp: Mlp,
+    ) -> Self {
+        let [x, rstd1, xn1, q, k, v, att, lse, att_tok, x1, rstd2, xn2, gate, up, h, q_raw, k_raw, rstd_q, rstd_k, moe_x, moe_gate, moe_up, moe_h, moe_y] =
+            block_acts_lens(m, n, rows, ckpt, role, mlp).map(|len| be.zeros(len));
+        BlockActs {
+            x,
+            rstd1,
+            xn1,
+            q,
+            k,
+            v,
+            att,
+            lse,
+            att_tok,
+            x1,
+            rstd2,
+            xn2,
+            gate,
+            up,
+            h,
+            q_raw,
+            k_raw,
+            rstd_q,
+            rstd_k,
+            moe_x,
+            moe_gate,
+            moe_up,
+            moe_h,
+            moe_y,
+            routed: RoutedRows::default(),
+        }
     }
 
     /// Exchanges the fields `selective` recomputes (no copy: the buffers change hands).
@@ -131,6 +213,11 @@ impl<V> BlockActs<V> {
             &self.k_raw,
             &self.rstd_q,
             &self.rstd_k,
+            &self.moe_x,
+            &self.moe_gate,
+            &self.moe_up,
+            &self.moe_h,
+            &self.moe_y,
         ]
         .iter()
         .map(|t| be.len(t))
@@ -157,22 +244,79 @@ pub(super) struct BlockGrads<V> {
     // Projection outputs before the head-major transpose (forward scratch).
     pub(super) q_tok: V,  // [N, H*hd]
     pub(super) kv_tok: V, // [N, KV*hd]
+    // A mixture of experts' (else empty); `Nk` routed rows.
+    pub(super) moe_logits: V, // [N, E] router logits, then their gradient
+    pub(super) moe_slot: V,   // [N, D] one choice's weighted outputs
+    pub(super) moe_dy: V,     // [Nk, D]
+    pub(super) moe_dh: V,     // [Nk, Fe]
+    pub(super) moe_dgate: V,  // [Nk, Fe]
+    pub(super) moe_dup: V,    // [Nk, Fe]
+    pub(super) moe_dx: V,     // [Nk, D]
 }
 
 /// Element counts of every field of [`BlockGrads`], in declaration order (see
 /// [`block_acts_lens`]).
-pub(super) fn block_grads_lens(m: &Dims, n: usize, rows: Rows) -> [usize; 15] {
-    let (d, f, hd) = (m.d, m.ffn_local, m.hd);
+pub(super) fn block_grads_lens(m: &Dims, n: usize, rows: Rows, mlp: Mlp) -> [usize; 22] {
+    let (d, hd) = (m.d, m.hd);
+    let f = mlp.dense as usize * m.ffn_local;
     let (qd, kvd) = (m.heads_local * hd, m.kv_heads_local * hd);
     let full = rows.gathered * d;
-    [rows.local * d, rows.local * d, full, full, n * f, n * f, n * f, n * qd, n * kvd, n * qd, n * qd, n * kvd, n * kvd, n * qd, n * kvd]
+    let (nk, fe) = routed_rows(m, n, mlp);
+    let (ne, nd) = if nk > 0 { (n * m.moe.as_ref().map_or(0, |e| e.router.experts), n * d) } else { (0, 0) };
+    [
+        rows.local * d,
+        rows.local * d,
+        full,
+        full,
+        n * f,
+        n * f,
+        n * f,
+        n * qd,
+        n * kvd,
+        n * qd,
+        n * qd,
+        n * kvd,
+        n * kvd,
+        n * qd,
+        n * kvd,
+        ne,
+        nd,
+        nk * d,
+        nk * fe,
+        nk * fe,
+        nk * fe,
+        nk * d,
+    ]
 }
 
 impl<V> BlockGrads<V> {
-    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize, rows: Rows) -> Self {
-        let [dx1, dxn, full_a, full_b, dh, dgate, dup, d_tok, dkv_tok, datt, dq, dk, dv, q_tok, kv_tok] =
-            block_grads_lens(m, n, rows).map(|len| be.zeros(len));
-        BlockGrads { dx1, dxn, full_a, full_b, dh, dgate, dup, d_tok, dkv_tok, datt, dq, dk, dv, q_tok, kv_tok }
+    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize, rows: Rows, mlp: Mlp) -> Self {
+        let [dx1, dxn, full_a, full_b, dh, dgate, dup, d_tok, dkv_tok, datt, dq, dk, dv, q_tok, kv_tok, moe_logits, moe_slot, moe_dy, moe_dh, moe_dgate, moe_dup, moe_dx] =
+            block_grads_lens(m, n, rows, mlp).map(|len| be.zeros(len));
+        BlockGrads {
+            dx1,
+            dxn,
+            full_a,
+            full_b,
+            dh,
+            dgate,
+            dup,
+            d_tok,
+            dkv_tok,
+            datt,
+            dq,
+            dk,
+            dv,
+            q_tok,
+            kv_tok,
+            moe_logits,
+            moe_slot,
+            moe_dy,
+            moe_dh,
+            moe_dgate,
+            moe_dup,
+            moe_dx,
+        }
     }
 }
 

@@ -9,6 +9,7 @@
 
 use super::activations::{BlockActs, BlockGrads, DeferredWeights};
 use super::hooks::Hooks;
+use super::moe::{moe_bwd, moe_fwd};
 use super::params::{Dims, Layer};
 use crate::backend::{AttnDims, Backend};
 use crate::scalar::Real;
@@ -23,6 +24,9 @@ pub(super) struct BlockCtx<'a, T: Real, B: Backend<T>> {
     pub(super) pos: &'a B::Pos,
     pub(super) b: usize,
     pub(super) s: usize,
+    /// The auxiliary loss's gradient of the router probabilities (`[E]`, the same for every
+    /// row of a sequence), per sequence of the micro-batch; empty without the loss.
+    pub(super) aux: &'a [Vec<f64>],
 }
 
 impl<T: Real, B: Backend<T>> BlockCtx<'_, T, B> {
@@ -78,6 +82,14 @@ pub(super) fn block_fwd<T: Real, B: Backend<T>>(
     poke();
 
     be.rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, m.norm_eps);
+    if let Some(experts) = &w.moe {
+        let mut out = out;
+        moe_fwd(ctx, experts, a, g, out.as_deref_mut());
+        if let Some(out) = out {
+            be.add_assign(out, &a.x1);
+        }
+        return;
+    }
     let xn2 = tp.gather(&a.xn2, &mut g.full_a); // [N, D]; backward: reduce of dxn2
     be.linear_fwd_pair(&mut a.gate, &w.gate_proj, &mut a.up, &w.up_proj, xn2, n, f, d);
     poke();
@@ -286,20 +298,26 @@ pub(super) fn block_bwd<T: Real, B: Backend<T>>(
     let rope = Some((ctx.cos, ctx.sin));
     let poke = ctx.hooks.progress;
 
-    // MLP: out = x1 + down(h). The output gradient, gathered to all N rows.
-    let dout = tp.gather(dx, &mut g.full_a);
-    proj_bwd(ctx, &mut dw, Proj::Down, &mut g.dh, false, dout, &a.h, &w.down_proj);
-    poke();
-    be.swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
-    // xn2 is gathered again rather than kept. dxn2: partial sums of the column-parallel
-    // gate/up, reduced into this rank's rows.
-    let xn2 = tp.gather(&a.xn2, &mut g.full_a);
-    let partial = tp.partial(&mut g.dxn, &mut g.full_b);
-    proj_bwd(ctx, &mut dw, Proj::Gate, partial, false, &g.dgate, xn2, &w.gate_proj);
-    poke();
-    proj_bwd(ctx, &mut dw, Proj::Up, partial, true, &g.dup, xn2, &w.up_proj);
-    poke();
-    tp.finish(&mut g.dxn, &g.full_b);
+    match &w.moe {
+        // The experts act on this rank's rows: dxn2 straight into g.dxn.
+        Some(experts) => moe_bwd(ctx, experts, &mut dw, a, g, dx),
+        None => {
+            // MLP: out = x1 + down(h). The output gradient, gathered to all N rows.
+            let dout = tp.gather(dx, &mut g.full_a);
+            proj_bwd(ctx, &mut dw, Proj::Down, &mut g.dh, false, dout, &a.h, &w.down_proj);
+            poke();
+            be.swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
+            // xn2 is gathered again rather than kept. dxn2: partial sums of the column-parallel
+            // gate/up, reduced into this rank's rows.
+            let xn2 = tp.gather(&a.xn2, &mut g.full_a);
+            let partial = tp.partial(&mut g.dxn, &mut g.full_b);
+            proj_bwd(ctx, &mut dw, Proj::Gate, partial, false, &g.dgate, xn2, &w.gate_proj);
+            poke();
+            proj_bwd(ctx, &mut dw, Proj::Up, partial, true, &g.dup, xn2, &w.up_proj);
+            poke();
+            tp.finish(&mut g.dxn, &g.full_b);
+        }
+    }
     // dx1 = dout (residual) + norm2 backward.
     be.copy(&mut g.dx1, dx);
     be.rmsnorm_bwd(&mut g.dx1, norm_slot(be, &mut dw, Norm::PostAttention), &g.dxn, &a.x1, &w.post_attention_layernorm, &a.rstd2, d, true);

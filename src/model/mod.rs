@@ -19,6 +19,7 @@
 mod activations;
 mod block;
 pub mod hooks;
+mod moe;
 pub mod params;
 pub mod positions;
 pub mod router;
@@ -29,11 +30,12 @@ use crate::backend::cpu::Cpu;
 use crate::backend::Backend;
 use crate::config::{ActCkpt, ModelCfg};
 use crate::scalar::Real;
-use activations::{block_acts_lens, block_grads_lens, deferred_lens, ActsRole, BlockActs, BlockGrads, DeferredWeights};
+use activations::{block_acts_lens, block_grads_lens, deferred_lens, ActsRole, BlockActs, BlockGrads, DeferredWeights, Mlp};
 use block::{block_bwd, block_bwd_weight, block_fwd, recompute_cheap, BlockCtx, WeightGrads};
 use hooks::{GradSink, Hooks, WeightSource};
 use params::{Dims, ModelParams};
 use positions::rope_tables;
+use router::ExpertLoad;
 
 /// The tokens of one micro-batch.
 #[derive(Clone, Copy, Debug)]
@@ -80,6 +82,11 @@ pub struct Model<T: Real, B: Backend<T> = Cpu> {
     ce_max: B::Buf,    // [N] row maxima (scratch)
     ce_target: B::Buf, // [N] target logits (scratch)
     dx: B::Buf,        // [N_local, D] gradient of the residual stream
+    /// A mixture of experts: the expert load of each sequence of the last forward, over the
+    /// blocks this rank holds.
+    loads: Vec<ExpertLoad>,
+    /// The auxiliary loss's gradient of the router probabilities, per sequence (backward).
+    aux_grads: Vec<Vec<f64>>,
     _t: std::marker::PhantomData<T>,
 }
 
@@ -136,6 +143,8 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             ce_max: Default::default(),
             ce_target: Default::default(),
             dx: Default::default(),
+            loads: vec![],
+            aux_grads: vec![],
             _t: std::marker::PhantomData,
         }
     }
@@ -149,13 +158,13 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
     pub fn memory(m: &Dims, b: usize, s: usize, ckpt: ActCkpt, rows: Rows) -> ActivationMemory {
         let n = b * s;
         let nl = rows.local;
-        let acts = |role| block_acts_lens(m, n, rows, ckpt, role).iter().sum::<usize>();
-        let grads: usize = block_grads_lens(m, n, rows).iter().sum();
+        let acts = |role, mlp| block_acts_lens(m, n, rows, ckpt, role, mlp).iter().sum::<usize>();
+        let grads: usize = block_grads_lens(m, n, rows, Mlp::all(m)).iter().sum();
         let h = m.head as usize;
         let head = nl * m.d + h * (nl + nl * m.d + rows.gathered * m.d + n);
         ActivationMemory {
-            saved: 4 * m.layers * acts(ActsRole::Saved),
-            recompute: 4 * acts(ActsRole::Scratch),
+            saved: 4 * m.layer_ids.iter().map(|&l| acts(ActsRole::Saved, Mlp::of(m, l))).sum::<usize>(),
+            recompute: 4 * acts(ActsRole::Scratch, Mlp::all(m)),
             logits: 4 * h * n * m.vocab_local,
             head: 4 * head,
             // Block gradients, the residual's gradient, and the loss's two row scratches.
@@ -178,16 +187,17 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         let nl = rows.local;
         let (d, v) = (self.m.d, self.m.vocab_local);
         let be = &self.be;
-        self.saved = (0..self.m.layers)
+        let m = &self.m;
+        self.saved = (0..m.layers)
             .map(|l| {
                 let _for = crate::backend::allocating("saved activations of block", Some(l));
-                BlockActs::alloc(be, &self.m, n, rows, self.ckpt, ActsRole::Saved)
+                BlockActs::alloc(be, m, n, rows, self.ckpt, ActsRole::Saved, Mlp::of(m, m.layer_ids[l]))
             })
             .collect();
         let _for = crate::backend::allocating("a block's recomputed activations and activation gradients", None);
-        self.scratch = BlockActs::alloc(be, &self.m, n, rows, self.ckpt, ActsRole::Scratch);
+        self.scratch = BlockActs::alloc(be, m, n, rows, self.ckpt, ActsRole::Scratch, Mlp::all(m));
         self.scratch_is_last_block = false;
-        self.grads = BlockGrads::alloc(be, &self.m, n, rows);
+        self.grads = BlockGrads::alloc(be, m, n, rows, Mlp::all(m));
         // The head's buffers exist on the stage that runs it (every rank without a pipeline).
         let _for = crate::backend::allocating("the final norm, logits and cross entropy", None);
         let h = self.m.head as usize;
@@ -202,6 +212,18 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         self.dx = be.zeros(nl * d);
         self.bs = (b, s);
         self.rows = rows;
+    }
+
+    /// The sum over the last forward's sequences of their auxiliary load-balancing loss (0
+    /// for a dense model): each sequence's `E / R² · Σ_e c_e·P_e` over its rows in every
+    /// mixture-of-experts block (`router::ExpertLoad`).
+    pub fn aux_loss_sum(&self) -> f64 {
+        self.loads.iter().map(ExpertLoad::aux_loss).sum()
+    }
+
+    /// The expert load of each sequence of the last forward.
+    pub fn expert_loads(&self) -> &[ExpertLoad] {
+        &self.loads
     }
 
     /// Visible (query, key) pairs processed by attention forwards since the last call.
@@ -261,7 +283,11 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         self.be.set_ids(&mut self.targets, tok.targets);
         let be = &self.be;
         let (d, v, nl) = (self.m.d, self.m.vocab_local, self.m.layers);
-        let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s };
+        let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s, aux: &[] };
+        self.loads = match &self.m.moe {
+            Some(e) => vec![ExpertLoad::new(e.router.experts); b],
+            None => vec![],
+        };
 
         // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp
         // (into this rank's rows of the residual stream).
@@ -291,6 +317,12 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
                     saved_l.swap_cheap(&mut self.scratch);
                     block_fwd(&ctx, w.block(l), saved_l, &mut self.grads, Some(out));
                     saved_l.swap_cheap(&mut self.scratch);
+                }
+            }
+            if let Some(e) = self.m.moe.as_ref().filter(|_| self.m.moe_layer(self.m.layer_ids[l])) {
+                let acts = if self.ckpt == ActCkpt::Full { &self.scratch } else { &self.saved[l] };
+                for (q, load) in self.loads.iter_mut().enumerate() {
+                    acts.routed.add_load(e, load, q * s, s);
                 }
             }
             w.block_done(l);
@@ -395,7 +427,17 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         let be = &self.be;
         let (d, v, nl) = (self.m.d, self.m.vocab_local, self.m.layers);
         let (off, valid) = (self.m.vocab_offset, self.m.vocab_valid());
-        let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s };
+        // The auxiliary loss per sequence, `coef · aux_q / Q` over the global batch's `Q`
+        // sequences: `1 / Q` is a sequence's targets times `loss_scale` (1 / all targets), and
+        // a sequence's targets are its rows over the mixture-of-experts blocks.
+        self.aux_grads = match &self.m.moe {
+            Some(e) if e.aux_coef > 0.0 => {
+                let blocks = self.m.moe_layers().max(1) as f64;
+                self.loads.iter().map(|q| q.prob_grad(e.aux_coef * (q.rows as f64 / blocks) * loss_scale.to_f64())).collect()
+            }
+            _ => vec![],
+        };
+        let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s, aux: &self.aux_grads };
 
         if !self.m.head {
             be.copy(&mut self.dx, output_grad.expect("a stage without the head starts from the next stage's gradient"));

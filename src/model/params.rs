@@ -11,6 +11,7 @@
 //! Legend: `V` vocab, `D` d_model, `H` heads, `KV` kv heads, `hd` head dim, `F` ffn hidden;
 //! `_local` = divided by the tp degree.
 
+use super::router::RouterShape;
 use crate::config::ModelCfg;
 use crate::rng;
 use crate::scalar::Real;
@@ -28,8 +29,57 @@ pub struct Layer<V> {
     pub k_norm: Option<V>,           // [hd], with `[model] qk_norm`
     pub post_attention_layernorm: V, // [D]
     pub gate_proj: V,                // [F, D]
-    pub up_proj: V,                  // [F, D]
-    pub down_proj: V,                // [D, F]
+    pub up_proj: V,                  // [F, D]; empty in a mixture-of-experts block
+    pub down_proj: V,                // [D, F]; empty in a mixture-of-experts block
+    /// The router and experts that replace the MLP in a mixture-of-experts block.
+    pub moe: Option<Experts<V>>,
+}
+
+/// A mixture-of-experts block's MLP: the router and every expert's SwiGLU FFN (names of
+/// `Qwen3MoeForCausalLM`; `Fe` each expert's width, `E` experts).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Experts<V> {
+    pub gate: V, // [E, D] the router
+    pub experts: Vec<Expert<V>>,
+}
+
+/// One expert's SwiGLU FFN.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Expert<V> {
+    pub gate_proj: V, // [Fe, D]
+    pub up_proj: V,   // [Fe, D]
+    pub down_proj: V, // [D, Fe]
+}
+
+impl<V> Experts<V> {
+    /// The tensors in `param_specs` order: the router, then each expert's gate, up, down.
+    pub fn tensors(&self) -> Vec<&V> {
+        let mut out = vec![&self.gate];
+        for e in &self.experts {
+            out.extend([&e.gate_proj, &e.up_proj, &e.down_proj]);
+        }
+        out
+    }
+
+    /// [`Experts::tensors`], mutably.
+    pub fn tensors_mut(&mut self) -> Vec<&mut V> {
+        let mut out = vec![&mut self.gate];
+        for e in &mut self.experts {
+            out.extend([&mut e.gate_proj, &mut e.up_proj, &mut e.down_proj]);
+        }
+        out
+    }
+
+    fn map<W>(&self, f: &mut impl FnMut(&V) -> W) -> Experts<W> {
+        Experts {
+            gate: f(&self.gate),
+            experts: self
+                .experts
+                .iter()
+                .map(|e| Expert { gate_proj: f(&e.gate_proj), up_proj: f(&e.up_proj), down_proj: f(&e.down_proj) })
+                .collect(),
+        }
+    }
 }
 
 /// A block's weights in host memory.
@@ -89,6 +139,8 @@ pub struct Dims {
     pub qk_norm: bool,
     /// FFN hidden features on this rank (`F_local`).
     pub ffn_local: usize,
+    /// The mixture of experts, where the deck has one.
+    pub moe: Option<MoeDims>,
     pub rope_theta: f64,
     pub norm_eps: f64,
     pub tie: bool,
@@ -115,6 +167,13 @@ impl Dims {
             hd: cfg.head_dim(),
             qk_norm: cfg.qk_norm,
             ffn_local: cfg.ffn_hidden / tp,
+            moe: cfg.is_moe().then_some(MoeDims {
+                router: RouterShape { experts: cfg.n_experts, top_k: cfg.experts_per_token, norm_topk_prob: cfg.norm_topk_prob },
+                ffn: cfg.moe_ffn_hidden,
+                first_dense: cfg.first_dense_layers,
+                aux_coef: cfg.router_aux_loss_coef,
+                bias_rate: cfg.router_bias_update_rate,
+            }),
             rope_theta: cfg.rope_theta,
             norm_eps: cfg.norm_eps,
             tie: cfg.tie_embeddings,
@@ -139,10 +198,34 @@ impl Dims {
         self.embed || (self.head && self.tie)
     }
 
+    /// Block `layer` (its global index) routes tokens to experts.
+    pub fn moe_layer(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|e| layer >= e.first_dense)
+    }
+
+    /// The mixture-of-experts blocks of the whole model (all stages).
+    pub fn moe_layers(&self) -> usize {
+        (0..self.n_layers).filter(|&l| self.moe_layer(l)).count()
+    }
+
     /// Vocabulary rows of this rank that are real tokens (the rest is padding).
     pub fn vocab_valid(&self) -> usize {
         self.vocab.saturating_sub(self.vocab_offset).min(self.vocab_local)
     }
+}
+
+/// A mixture of experts' sizes (the same on every rank: experts are whole on each rank).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeDims {
+    pub router: RouterShape,
+    /// Each expert's FFN width `Fe`.
+    pub ffn: usize,
+    /// Blocks, from the first, that keep the dense MLP.
+    pub first_dense: usize,
+    /// `router_aux_loss_coef`.
+    pub aux_coef: f64,
+    /// `router_bias_update_rate`.
+    pub bias_rate: f64,
 }
 
 /// How tensor parallelism cuts a tensor.
@@ -237,9 +320,23 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
             }
         }
         out.push(spec(format!("{p}post_attention_layernorm.weight"), vec![d], Replicated, ParamKind::Norm));
-        out.push(spec(format!("{p}mlp.gate_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
-        out.push(spec(format!("{p}mlp.up_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
-        out.push(spec(format!("{p}mlp.down_proj.weight"), vec![d, f], Cols, ParamKind::ResidualMatrix));
+        match m.moe.as_ref().filter(|_| m.moe_layer(i)) {
+            Some(e) => {
+                let (n, fe) = (e.router.experts, e.ffn);
+                out.push(spec(format!("{p}mlp.gate.weight"), vec![n, d], Replicated, ParamKind::Matrix));
+                for j in 0..n {
+                    let x = format!("{p}mlp.experts.{j}.");
+                    out.push(spec(format!("{x}gate_proj.weight"), vec![fe, d], Replicated, ParamKind::Matrix));
+                    out.push(spec(format!("{x}up_proj.weight"), vec![fe, d], Replicated, ParamKind::Matrix));
+                    out.push(spec(format!("{x}down_proj.weight"), vec![d, fe], Replicated, ParamKind::ResidualMatrix));
+                }
+            }
+            None => {
+                out.push(spec(format!("{p}mlp.gate_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
+                out.push(spec(format!("{p}mlp.up_proj.weight"), vec![f, d], Rows, ParamKind::Matrix));
+                out.push(spec(format!("{p}mlp.down_proj.weight"), vec![d, f], Cols, ParamKind::ResidualMatrix));
+            }
+        }
     }
     if m.head {
         out.push(spec("model.norm.weight".into(), vec![d], Replicated, ParamKind::Norm));
@@ -290,17 +387,18 @@ pub fn init_value(seed: u64, spec: &ParamSpec, n_layers: usize, local: u64) -> f
 }
 
 impl<T: Real> LayerParams<T> {
-    /// A block of this rank's shapes, all zero.
-    pub fn zeros(m: &Dims) -> Self {
-        Layer::alloc(m, |n| vec![T::ZERO; n])
+    /// Block `layer` (its global index) in this rank's shapes, all zero.
+    pub fn zeros(m: &Dims, layer: usize) -> Self {
+        Layer::alloc(m, layer, |n| vec![T::ZERO; n])
     }
 }
 
 impl<V> Layer<V> {
-    /// A block of this rank's shapes, each tensor from `alloc(elements)` (host vectors, or a
-    /// backend's buffers).
-    pub fn alloc(m: &Dims, mut alloc: impl FnMut(usize) -> V) -> Self {
-        let (d, f) = (m.d, m.ffn_local);
+    /// Block `layer` (its global index: dense or a mixture of experts) in this rank's shapes,
+    /// each tensor from `alloc(elements)` (host vectors, or a backend's buffers).
+    pub fn alloc(m: &Dims, layer: usize, mut alloc: impl FnMut(usize) -> V) -> Self {
+        let moe = m.moe.as_ref().filter(|_| m.moe_layer(layer));
+        let (d, f) = (m.d, if moe.is_some() { 0 } else { m.ffn_local });
         let (q, kv) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
         Layer {
             input_layernorm: alloc(d),
@@ -314,14 +412,30 @@ impl<V> Layer<V> {
             gate_proj: alloc(f * d),
             up_proj: alloc(f * d),
             down_proj: alloc(d * f),
+            moe: moe.map(|e| Experts {
+                gate: alloc(e.router.experts * d),
+                experts: (0..e.router.experts)
+                    .map(|_| Expert { gate_proj: alloc(e.ffn * d), up_proj: alloc(e.ffn * d), down_proj: alloc(d * e.ffn) })
+                    .collect(),
+            }),
         }
+    }
+
+    /// Whether this block holds the same kind of MLP as block `layer` of `m` (a buffer of one
+    /// can hold the other).
+    pub fn fits(&self, m: &Dims, layer: usize) -> bool {
+        self.moe.is_some() == m.moe_layer(layer)
     }
 
     /// The block's tensors in `param_specs` order.
     pub fn tensors(&self) -> Vec<&V> {
         let mut out = vec![&self.input_layernorm, &self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
         out.extend(self.q_norm.iter().chain(&self.k_norm));
-        out.extend([&self.post_attention_layernorm, &self.gate_proj, &self.up_proj, &self.down_proj]);
+        out.push(&self.post_attention_layernorm);
+        match &self.moe {
+            Some(e) => out.extend(e.tensors()),
+            None => out.extend([&self.gate_proj, &self.up_proj, &self.down_proj]),
+        }
         out
     }
 
@@ -329,7 +443,11 @@ impl<V> Layer<V> {
     pub fn tensors_mut(&mut self) -> Vec<&mut V> {
         let mut out = vec![&mut self.input_layernorm, &mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.o_proj];
         out.extend(self.q_norm.iter_mut().chain(&mut self.k_norm));
-        out.extend([&mut self.post_attention_layernorm, &mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]);
+        out.push(&mut self.post_attention_layernorm);
+        match &mut self.moe {
+            Some(e) => out.extend(e.tensors_mut()),
+            None => out.extend([&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]),
+        }
         out
     }
 
@@ -347,6 +465,7 @@ impl<V> Layer<V> {
             gate_proj: f(&self.gate_proj),
             up_proj: f(&self.up_proj),
             down_proj: f(&self.down_proj),
+            moe: self.moe.as_ref().map(|e| e.map(&mut f)),
         }
     }
 }
@@ -359,7 +478,7 @@ impl<V> Params<V> {
         let (e, h) = (m.holds_embedding() as usize, m.head as usize);
         Params {
             embed_tokens: alloc(e * v * d),
-            layers: (0..m.layers).map(|_| Layer::alloc(m, &mut alloc)).collect(),
+            layers: m.layer_ids.iter().map(|&i| Layer::alloc(m, i, &mut alloc)).collect(),
             norm: alloc(h * d),
             lm_head: if m.tie { None } else { Some(alloc(h * v * d)) },
         }

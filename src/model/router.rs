@@ -32,7 +32,7 @@ pub struct RouterShape {
 }
 
 /// The choice of every row of a micro-batch.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Routing<T> {
     /// `[R, k]`: each row's experts, in descending order of their selection score.
     pub experts: Vec<u32>,

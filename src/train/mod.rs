@@ -318,6 +318,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             elapsed_s: elapsed,
             world,
             val_loss,
+            aux_loss: out.aux_loss,
         };
         if let Some(m) = self.logs.metrics.as_mut() {
             m.append(&rec)?;

@@ -17,7 +17,7 @@ use crate::optim::{clip_coefficient, lr_at};
 use crate::parallel::collective::MeshCollectives;
 use crate::parallel::cp::LocalBatch;
 use crate::parallel::mesh::Mesh;
-use crate::parallel::pp::executor::{Executor, Pass, ScheduleTimes};
+use crate::parallel::pp::executor::{Executor, LossSums, Pass, ScheduleTimes};
 use crate::parallel::pp::{rank_pieces, sum_tied_embedding};
 use crate::parallel::tp::Megatron;
 use crate::run::faults::{self, Faults};
@@ -33,6 +33,8 @@ mod evaluate;
 pub struct StepOutcome {
     /// The global-batch loss, before the update.
     pub loss: f64,
+    /// A mixture of experts' auxiliary loss: the mean over the global batch's sequences.
+    pub aux_loss: Option<f64>,
     /// The global gradient norm, before clipping.
     pub grad_norm: f64,
     pub lr: f64,
@@ -115,6 +117,8 @@ pub struct Trainer<'g, B: Backend<f32>> {
     par: Strategies<'g, B>,
     shape: BatchShape,
     schedule: Schedule,
+    /// The model has a mixture of experts (and an auxiliary loss to log).
+    moe: bool,
     /// The debug options that inject faults (`docs/debugging.md`).
     pub faults: Faults,
 }
@@ -146,6 +150,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             par: Strategies { mesh, tp, attention: crate::parallel::cp::attention_schedule(comms.cp), comms },
             shape,
             schedule: Schedule { optim: deck.optim.clone(), peak_lr: res.lr, steps: deck.run.steps },
+            moe: deck.model.is_moe(),
             faults: Faults::from_env()?,
         })
     }
@@ -175,8 +180,10 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let mut pt = PhaseTimes::default();
         self.state.grads.zero();
         pt[Phase::Backward] += start.elapsed().as_secs_f64();
-        let (loss_sum, n_tok) = self.micro_steps(step, &mut pt)?;
-        let (loss, grad_norm) = self.reduce(step, loss_sum, n_tok, &mut pt)?;
+        let (sums, n_tok) = self.micro_steps(step, &mut pt)?;
+        let (loss, grad_norm) = self.reduce(step, sums.cross_entropy, n_tok, &mut pt)?;
+        // Every sequence has seq_len targets: the batch holds n_tok / seq_len of them.
+        let aux_loss = self.moe.then(|| global_loss_sum(self.par.mesh, sums.aux) * self.shape.seq_len as f64 / n_tok);
         let t_opt = Instant::now();
         let lr = lr_at(&self.schedule.optim, self.schedule.peak_lr, step, self.schedule.steps);
         // The loss and the norm are global reductions: every rank takes the same branch.
@@ -189,7 +196,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         self.synchronize(step + 1)?;
         self.par.comms.settle();
         pt[Phase::Optimizer] += t_opt.elapsed().as_secs_f64();
-        Ok(StepOutcome { loss, grad_norm, lr, updated, phases: pt })
+        Ok(StepOutcome { loss, aux_loss, grad_norm, lr, updated, phases: pt })
     }
 
     /// The backend of this rank's model.
@@ -209,9 +216,9 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
     }
 
     /// The step's micro-steps, run by the pipeline executor in the schedule's order, their
-    /// gradients accumulated into the shards. Returns the summed loss of this rank's tokens
+    /// gradients accumulated into the shards. Returns the summed losses of this rank's tokens
     /// and the global number of target tokens.
-    fn micro_steps(&mut self, step: u64, pt: &mut PhaseTimes) -> Result<(f64, f64), Error> {
+    fn micro_steps(&mut self, step: u64, pt: &mut PhaseTimes) -> Result<(LossSums, f64), Error> {
         let t_wait = Instant::now();
         let mesh = self.par.mesh;
         let n_tok = self.shape.global_targets(mesh, 1);

@@ -62,6 +62,7 @@ fn check_adamw_model<T: Real>(tie: bool) {
         rope_theta: 10_000.0,
         norm_eps: 1e-5,
         tie_embeddings: tie,
+        ..ModelCfg::default()
     };
     let cfg = OptimCfg { weight_decay: 0.5, ..Default::default() };
     let mut rng = Rng::new(70);

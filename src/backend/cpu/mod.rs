@@ -233,6 +233,42 @@ impl<T: Real> Backend<T> for Cpu {
         }
     }
 
+    fn grouped_linear_fwd(&self, y: &mut Vec<T>, x: &Vec<T>, ws: &[&Vec<T>], offsets: &[usize], n: usize, k: usize) {
+        for (g, w) in ws.iter().enumerate() {
+            let (r0, r1) = (offsets[g], offsets[g + 1]);
+            let (mut sx, mut sw) = (vec![], vec![]);
+            let (xg, wg) = (self.operand(&x[r0 * k..r1 * k], &mut sx), self.operand(w, &mut sw));
+            linear_fwd(&mut y[r0 * n..r1 * n], xg, wg, r1 - r0, n, k, false);
+        }
+    }
+
+    fn grouped_linear_bwd_input(&self, dx: &mut Vec<T>, dy: &Vec<T>, ws: &[&Vec<T>], offsets: &[usize], n: usize, k: usize, acc: bool) {
+        for (g, w) in ws.iter().enumerate() {
+            let (r0, r1) = (offsets[g], offsets[g + 1]);
+            let (mut sd, mut sw) = (vec![], vec![]);
+            let (dyg, wg) = (self.operand(&dy[r0 * n..r1 * n], &mut sd), self.operand(w, &mut sw));
+            linear_bwd_input(&mut dx[r0 * k..r1 * k], dyg, wg, r1 - r0, n, k, acc);
+        }
+    }
+
+    fn grouped_linear_bwd_weight(
+        &self,
+        dws: &mut [&mut Vec<T>],
+        dy: &Vec<T>,
+        x: &Vec<T>,
+        offsets: &[usize],
+        n: usize,
+        k: usize,
+        acc: bool,
+    ) {
+        for (g, dw) in dws.iter_mut().enumerate() {
+            let (r0, r1) = (offsets[g], offsets[g + 1]);
+            let (mut sd, mut sx) = (vec![], vec![]);
+            let (dyg, xg) = (self.operand(&dy[r0 * n..r1 * n], &mut sd), self.operand(&x[r0 * k..r1 * k], &mut sx));
+            linear_bwd_weight(dw, dyg, xg, r1 - r0, n, k, acc);
+        }
+    }
+
     fn embed_bwd(&self, dtable: &mut Vec<T>, dx: &Vec<T>, ids: &Vec<u32>, offset: usize, valid: usize, d: usize) {
         for (row, &t) in dx.chunks(d).zip(ids) {
             let local = (t as usize).wrapping_sub(offset);

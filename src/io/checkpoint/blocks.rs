@@ -122,6 +122,7 @@ mod tests {
             rope_theta: 1e4,
             norm_eps: 1e-5,
             tie_embeddings: false,
+            ..ModelCfg::default()
         }
     }
 

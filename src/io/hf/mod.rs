@@ -1,8 +1,9 @@
-//! Hugging Face model folders: `config.json` + `model.safetensors` of a `LlamaForCausalLM`.
+//! Hugging Face model folders: `config.json` + `model.safetensors` of a `LlamaForCausalLM`,
+//! `Qwen3ForCausalLM`, `MixtralForCausalLM` or `Qwen3MoeForCausalLM`.
 //!
 //! Reads a folder into a full, unsharded [`ModelParams`] (tensor names and `[out, in]` shapes are
-//! the Hugging Face ones, so no renaming or transposing happens) and writes one that
-//! `transformers.LlamaForCausalLM.from_pretrained` loads. The config check accepts both the
+//! the Hugging Face ones; only Mixtral's expert names are renamed, see [`Family`]) and writes
+//! one that transformers' `from_pretrained` loads. The config check accepts both the
 //! transformers 4.x layout (`rope_theta`, `rope_scaling`) and the 5.x one (`rope_parameters`).
 //! A sharded checkpoint (`model.safetensors.index.json` + shards) is read too.
 //!
@@ -51,6 +52,67 @@ const HF_DEFAULT_ROPE_THETA: f64 = 10000.0;
 const QWEN3_DEFAULT_HEAD_DIM: usize = 128;
 const HF_DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 
+/// The Hugging Face model a folder holds (its `model_type`). ndtrain's own tensor names are
+/// those of Llama, Qwen3 and Qwen3-MoE; Mixtral names the same mixture-of-experts tensors
+/// `block_sparse_moe.gate` (router) and `block_sparse_moe.experts.J.w1/w3/w2` (gate, up and
+/// down projections), as transformers saves them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    Qwen3,
+    Mixtral,
+    Qwen3Moe,
+}
+
+impl Family {
+    /// The family that writes a model of this `[model]`: a mixture of experts without q/k norm
+    /// is Mixtral's, with it Qwen3-MoE's.
+    pub fn of(cfg: &ModelCfg) -> Family {
+        match (cfg.is_moe(), cfg.qk_norm) {
+            (false, false) => Family::Llama,
+            (false, true) => Family::Qwen3,
+            (true, false) => Family::Mixtral,
+            (true, true) => Family::Qwen3Moe,
+        }
+    }
+
+    fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen3 => "qwen3",
+            Family::Mixtral => "mixtral",
+            Family::Qwen3Moe => "qwen3_moe",
+        }
+    }
+
+    fn architecture(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+        }
+    }
+
+    /// The name this family's files give ndtrain's tensor `name`.
+    pub fn file_name(self, name: &str) -> String {
+        if self != Family::Mixtral || !name.contains(".mlp.") {
+            return name.to_string();
+        }
+        let name = name.replace(".mlp.", ".block_sparse_moe.");
+        name.replace(".gate_proj.weight", ".w1.weight").replace(".up_proj.weight", ".w3.weight").replace(".down_proj.weight", ".w2.weight")
+    }
+
+    /// ndtrain's name of this family's tensor `name` (the inverse of [`Family::file_name`]).
+    pub fn own_name(self, name: &str) -> String {
+        if self != Family::Mixtral || !name.contains(".block_sparse_moe.") {
+            return name.to_string();
+        }
+        let name = name.replace(".block_sparse_moe.", ".mlp.");
+        name.replace(".w1.weight", ".gate_proj.weight").replace(".w3.weight", ".up_proj.weight").replace(".w2.weight", ".down_proj.weight")
+    }
+}
+
 fn read_config(dir: &Path) -> Result<Value, HfError> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| HfError(format!("cannot read {}: {e}", path.display())))?;
@@ -89,14 +151,32 @@ pub fn check_config(dir: &Path, cfg: &ModelCfg) -> Result<(), HfError> {
 
     // Integer geometry. num_key_value_heads defaults to num_attention_heads (no GQA), as in HF.
     let heads = int("num_attention_heads")?;
-    let counts: [(&str, &str, Option<u64>, usize); 6] = [
+    let family = family_of(&c, &file.to_string())?;
+    let mut counts: Vec<(&str, &str, Option<u64>, usize)> = vec![
         ("vocab_size", "vocab_size", int("vocab_size")?, cfg.vocab_size),
         ("hidden_size", "d_model", int("hidden_size")?, cfg.d_model),
         ("num_hidden_layers", "n_layers", int("num_hidden_layers")?, cfg.n_layers),
         ("num_attention_heads", "n_heads", heads, cfg.n_heads),
         ("num_key_value_heads", "n_kv_heads", int("num_key_value_heads")?.or(heads), cfg.n_kv_heads),
-        ("intermediate_size", "ffn_hidden", int("intermediate_size")?, cfg.ffn_hidden),
     ];
+    match family {
+        Family::Llama | Family::Qwen3 => counts.push(("intermediate_size", "ffn_hidden", int("intermediate_size")?, cfg.ffn_hidden)),
+        // Mixtral's intermediate_size is each expert's width; every block is sparse.
+        Family::Mixtral => {
+            counts.push(("num_local_experts", "n_experts", int("num_local_experts")?, cfg.n_experts));
+            counts.push(("num_experts_per_tok", "experts_per_token", int("num_experts_per_tok")?, cfg.experts_per_token));
+            counts.push(("intermediate_size", "moe_ffn_hidden", int("intermediate_size")?, cfg.moe_ffn_hidden));
+        }
+        // transformers 5 saves Qwen3-MoE's num_experts as num_local_experts.
+        Family::Qwen3Moe => {
+            counts.push(("num_experts", "n_experts", int("num_experts")?.or(int("num_local_experts")?), cfg.n_experts));
+            counts.push(("num_experts_per_tok", "experts_per_token", int("num_experts_per_tok")?, cfg.experts_per_token));
+            counts.push(("moe_intermediate_size", "moe_ffn_hidden", int("moe_intermediate_size")?, cfg.moe_ffn_hidden));
+            if cfg.first_dense_layers > 0 {
+                counts.push(("intermediate_size", "ffn_hidden", int("intermediate_size")?, cfg.ffn_hidden));
+            }
+        }
+    }
     for (hf_key, deck_key, hf, deck) in counts {
         match hf {
             None => return err(format!("{file}: {hf_key} is missing (the deck has [model] {deck_key} = {deck})")),
@@ -154,18 +234,79 @@ pub fn check_config(dir: &Path, cfg: &ModelCfg) -> Result<(), HfError> {
             return err(format!("{file}: {key} = true; ndtrain's Llama has no biases"));
         }
     }
-    check_attention(&c, cfg, &file.to_string(), int("head_dim")?)
+    check_attention(&c, cfg, &file.to_string(), int("head_dim")?)?;
+    check_experts(&c, cfg, family, &file.to_string())
+}
+
+/// The folder's [`Family`] from `model_type` (`llama` when absent).
+fn family_of(c: &Value, file: &str) -> Result<Family, HfError> {
+    Ok(match c.get("model_type").and_then(Value::as_str).unwrap_or("llama") {
+        "llama" => Family::Llama,
+        "qwen3" => Family::Qwen3,
+        "mixtral" => Family::Mixtral,
+        "qwen3_moe" => Family::Qwen3Moe,
+        other => {
+            return err(format!(
+                "{file}: model_type = \"{other}\"; ndtrain reads \"llama\", \"qwen3\", \"mixtral\" and \"qwen3_moe\" models"
+            ))
+        }
+    })
+}
+
+/// A mixture of experts' routing: dense families need a dense deck; Mixtral always
+/// renormalises its top-k and has no dense blocks; Qwen3-MoE's `norm_topk_prob` (false when
+/// omitted) and its dense blocks (`mlp_only_layers`, `decoder_sparse_step`) must be the deck's.
+fn check_experts(c: &Value, cfg: &ModelCfg, family: Family, file: &str) -> Result<(), HfError> {
+    let moe = matches!(family, Family::Mixtral | Family::Qwen3Moe);
+    if moe != cfg.is_moe() {
+        return err(format!(
+            "{file}: model_type = \"{}\" is {}, but the deck has [model] n_experts = {}",
+            family.model_type(),
+            if moe { "a mixture of experts" } else { "dense" },
+            cfg.n_experts
+        ));
+    }
+    if !moe {
+        return Ok(());
+    }
+    let norm = match family {
+        Family::Mixtral => true,
+        _ => c.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
+    };
+    if norm != cfg.norm_topk_prob {
+        return err(format!("{file}: norm_topk_prob = {norm}, but the deck has [model] norm_topk_prob = {}", cfg.norm_topk_prob));
+    }
+    let dense: Vec<u64> = match family {
+        Family::Qwen3Moe => {
+            let step = c.get("decoder_sparse_step").and_then(Value::as_u64).unwrap_or(1);
+            if step != 1 {
+                return err(format!(
+                    "{file}: decoder_sparse_step = {step}; ndtrain's sparse blocks are all those after first_dense_layers (step 1)"
+                ));
+            }
+            c.get("mlp_only_layers").and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_u64).collect()).unwrap_or_default()
+        }
+        _ => vec![],
+    };
+    let want: Vec<u64> = (0..cfg.first_dense_layers as u64).collect();
+    if dense != want {
+        return err(format!(
+            "{file}: mlp_only_layers = {dense:?}, but the deck has [model] first_dense_layers = {} (blocks {want:?})",
+            cfg.first_dense_layers
+        ));
+    }
+    Ok(())
 }
 
 /// The attention's family: `model_type` `llama` (or absent) has no q/k norm and a head width of
 /// `hidden_size / num_attention_heads` unless `head_dim` says otherwise; `qwen3` has the
 /// per-head q/k norm and `head_dim` (128 when omitted, as `Qwen3Config`), and no sliding window.
 fn check_attention(c: &Value, cfg: &ModelCfg, file: &str, head_dim: Option<u64>) -> Result<(), HfError> {
-    let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("llama");
-    let (qk_norm, default_hd) = match model_type {
-        "llama" => (false, cfg.d_model / cfg.n_heads),
-        "qwen3" => (true, QWEN3_DEFAULT_HEAD_DIM),
-        other => return err(format!("{file}: model_type = \"{other}\"; ndtrain reads \"llama\" and \"qwen3\" models")),
+    let family = family_of(c, file)?;
+    let model_type = family.model_type();
+    let (qk_norm, default_hd) = match family {
+        Family::Llama | Family::Mixtral => (false, cfg.d_model / cfg.n_heads),
+        Family::Qwen3 | Family::Qwen3Moe => (true, QWEN3_DEFAULT_HEAD_DIM),
     };
     if qk_norm != cfg.qk_norm {
         return err(format!(
@@ -217,10 +358,10 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
 /// The `config.json` [`save_params`] writes: the keys of both transformers 4.x (`rope_theta`,
 /// `rope_scaling`) and 5.x (`rope_parameters`), so either loads it.
 fn config_json(cfg: &ModelCfg) -> Value {
-    let (architecture, model_type) = if cfg.qk_norm { ("Qwen3ForCausalLM", "qwen3") } else { ("LlamaForCausalLM", "llama") };
+    let family = Family::of(cfg);
     let mut config = json!({
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [family.architecture()],
+        "model_type": family.model_type(),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_hidden,
@@ -247,6 +388,26 @@ fn config_json(cfg: &ModelCfg) -> Value {
     if cfg.qk_norm {
         config["use_sliding_window"] = json!(false);
     }
+    match family {
+        Family::Llama | Family::Qwen3 => {}
+        Family::Mixtral => {
+            config["num_local_experts"] = json!(cfg.n_experts);
+            config["num_experts_per_tok"] = json!(cfg.experts_per_token);
+            config["intermediate_size"] = json!(cfg.moe_ffn_hidden);
+            config["router_aux_loss_coef"] = json!(cfg.router_aux_loss_coef);
+            config["router_jitter_noise"] = json!(0.0);
+            config["sliding_window"] = Value::Null;
+        }
+        Family::Qwen3Moe => {
+            config["num_experts"] = json!(cfg.n_experts);
+            config["num_experts_per_tok"] = json!(cfg.experts_per_token);
+            config["moe_intermediate_size"] = json!(cfg.moe_ffn_hidden);
+            config["norm_topk_prob"] = json!(cfg.norm_topk_prob);
+            config["decoder_sparse_step"] = json!(1);
+            config["mlp_only_layers"] = json!((0..cfg.first_dense_layers).collect::<Vec<_>>());
+            config["router_aux_loss_coef"] = json!(cfg.router_aux_loss_coef);
+        }
+    }
     config
 }
 
@@ -272,6 +433,7 @@ mod tests {
             rope_theta: 500000.0,
             norm_eps: 1e-6,
             tie_embeddings: tied,
+            ..ModelCfg::default()
         }
     }
 

@@ -2,7 +2,7 @@
 //! tensor with positional reads of only its bytes ([`SliceReader`]), converted from f32, bf16
 //! or f16.
 
-use super::{check_config, err, weight_files, HfError};
+use super::{check_config, err, read_config, weight_files, HfError};
 use crate::config::ModelCfg;
 use crate::model::params::{param_specs, ModelParams};
 use crate::scalar::Real;
@@ -96,6 +96,7 @@ impl SliceReader {
     /// tensor the model does not have.
     pub fn open(dir: &Path, cfg: &ModelCfg) -> Result<SliceReader, HfError> {
         check_config(dir, cfg)?;
+        let family = super::family_of(&read_config(dir)?, &dir.join("config.json").display().to_string())?;
         let specs = param_specs(cfg);
         let mut tensors = HashMap::new();
         let mut unexpected = Vec::new();
@@ -104,7 +105,9 @@ impl SliceReader {
             let header = read_header(&file, &path)?;
             let data_base = 8 + header.0;
             let file = std::sync::Arc::new(file);
-            for (name, info) in header.1 {
+            for (file_name, info) in header.1 {
+                // Tensors are indexed by ndtrain's names (Mixtral's experts renamed).
+                let name = family.own_name(&file_name);
                 let Some(spec) = specs.iter().find(|s| s.name == name) else {
                     let tied_head = cfg.tie_embeddings && name == "lm_head.weight";
                     if !tied_head && !name.ends_with("rotary_emb.inv_freq") {

@@ -1,7 +1,7 @@
 //! Writing a Hugging Face folder that `transformers.LlamaForCausalLM.from_pretrained` loads:
 //! `config.json` and `model.safetensors`, streamed one tensor at a time.
 
-use super::{config_json, err, HfError};
+use super::{config_json, err, Family, HfError};
 use crate::config::ModelCfg;
 use crate::model::params::{param_specs, ModelParams};
 use crate::scalar::Real;
@@ -42,15 +42,18 @@ pub fn write_model(dir: &Path, cfg: &ModelCfg, mut fill: impl FnMut(usize, &mut 
     use std::io::Write;
     std::fs::create_dir_all(dir).map_err(|e| HfError(format!("cannot create {}: {e}", dir.display())))?;
     let specs = param_specs(cfg);
+    // The family's own names (Mixtral renames the experts), in name order.
+    let family = Family::of(cfg);
+    let names: Vec<String> = specs.iter().map(|s| family.file_name(&s.name)).collect();
     let mut order: Vec<usize> = (0..specs.len()).collect();
-    order.sort_by(|&a, &b| specs[a].name.cmp(&specs[b].name));
+    order.sort_by(|&a, &b| names[a].cmp(&names[b]));
     let mut header = serde_json::Map::new();
     // transformers refuses a safetensors file whose metadata lacks format = "pt".
     header.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut offset = 0usize;
     for &i in &order {
         let end = offset + 4 * specs[i].numel();
-        header.insert(specs[i].name.clone(), json!({"dtype": "F32", "shape": specs[i].shape, "data_offsets": [offset, end]}));
+        header.insert(names[i].clone(), json!({"dtype": "F32", "shape": specs[i].shape, "data_offsets": [offset, end]}));
         offset = end;
     }
     let mut text = serde_json::to_string(&Value::Object(header)).expect("a JSON value always serialises");

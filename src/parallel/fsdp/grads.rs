@@ -24,6 +24,9 @@ pub struct FsdpGrads<'g, B: Backend<f32>> {
     /// while a unit is reduced).
     globals: Option<Params<B::Buf>>,
     block: Option<Layer<B::Buf>>,
+    /// The block gradient of the other kind (dense or mixture of experts), where the model
+    /// has both.
+    other_block: Option<Layer<B::Buf>>,
     current: Option<usize>,
     pack_buf: B::Buf,
     recv_buf: B::Buf,
@@ -58,7 +61,8 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
             dp_rep,
             shards,
             globals: Some(Params::alloc(&Dims { layers: 0, ..m.clone() }, |n| be.zeros(n))),
-            block: Some(Layer::alloc(m, |n| be.zeros(n))),
+            block: m.layer_ids.first().map(|&i| Layer::alloc(m, i, |n| be.zeros(n))),
+            other_block: None,
             current: None,
             pack_buf: scratch(plan.max_gathered_len()),
             recv_buf: scratch(plan.max_shard_len()),
@@ -177,7 +181,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
     pub fn scratch_bytes(&self) -> usize {
         let len = |t: &B::Buf| self.be.len(t);
         let g = self.globals.as_ref().map_or(0, |g| g.tensors().into_iter().map(len).sum::<usize>());
-        let b: usize = self.block.as_ref().map_or(0, |b| b.tensors().into_iter().map(len).sum());
+        let b: usize = self.block.iter().chain(&self.other_block).map(|b| b.tensors().into_iter().map(len).sum::<usize>()).sum();
         let reduce = if self.plan.degree > 1 { self.plan.max_gathered_len() + self.plan.max_shard_len() } else { 0 };
         let outer = if self.dp_rep.degree() > 1 { self.plan.shard_elements() } else { 0 };
         (g + b + reduce + outer) * 4
@@ -240,6 +244,12 @@ impl<B: Backend<f32> + Clone> GradSink<B::Buf> for FsdpGrads<'_, B> {
     }
 
     fn block_mut(&mut self, l: usize) -> &mut Layer<B::Buf> {
+        let id = self.m.layer_ids[l];
+        if !self.block.as_ref().expect("not lent out").fits(&self.m, id) {
+            let other = self.other_block.take().unwrap_or_else(|| Layer::alloc(&self.m, id, |n| self.be.zeros(n)));
+            self.other_block = self.block.replace(other);
+            self.current = None;
+        }
         let block = self.block.as_mut().expect("not lent out");
         if self.current != Some(l) {
             block.tensors_mut().into_iter().for_each(|t| self.be.fill(t, 0.0));

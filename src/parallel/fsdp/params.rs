@@ -240,9 +240,10 @@ impl<B: Backend<f32> + Clone> WeightSource<B::Buf> for FsdpParams<'_, B> {
 
     fn block(&mut self, l: usize) -> &Layer<B::Buf> {
         if self.blocks[l].is_none() {
-            let mut buf = match self.spare.pop() {
-                Some(b) => b,
-                None => Layer::alloc(&self.m, |n| self.be.zeros(n)),
+            let id = self.m.layer_ids[l];
+            let mut buf = match self.spare.iter().position(|b| b.fits(&self.m, id)) {
+                Some(i) => self.spare.swap_remove(i),
+                None => Layer::alloc(&self.m, id, |n| self.be.zeros(n)),
             };
             if self.plan.degree > 1 && !self.finish_prefetch(l) {
                 self.gather_unit(l + 1);

@@ -36,6 +36,21 @@ pub enum Pass<'a, 'g, B: Backend<f32>> {
     Evaluate,
 }
 
+/// What a schedule's forwards summed over this rank's sequences: the cross entropy of their
+/// tokens, and a mixture of experts' auxiliary loss of each sequence (zero off the last stage).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LossSums {
+    pub cross_entropy: f64,
+    pub aux: f64,
+}
+
+impl std::ops::AddAssign for LossSums {
+    fn add_assign(&mut self, o: LossSums) {
+        self.cross_entropy += o.cross_entropy;
+        self.aux += o.aux;
+    }
+}
+
 /// Seconds a schedule spent, by what it did: loading micro-batches and posting receives,
 /// waiting for a neighbour's activation or gradient (the pipeline's bubble), and computing
 /// forwards and backwards (weight gradients count as backward).
@@ -158,7 +173,7 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
     /// [`Pass::Evaluate`] the forward-only schedule of `micro_batches` micro-batches. `batch(m)`
     /// loads micro-batch `m` (called once, before its first action); `observe` hears of each
     /// action before it runs, as text for people (the watchdog's heartbeat). Returns the summed
-    /// loss of this rank's tokens (zero off the last stage) and where the time went.
+    /// losses of this rank's tokens (zero off the last stage) and where the time went.
     pub fn run(
         &mut self,
         mut pass: Pass<'_, 'g, B>,
@@ -167,7 +182,7 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
         micro_batches: usize,
         batch: &mut dyn FnMut(usize) -> Result<LocalBatch, Error>,
         observe: &mut dyn FnMut(&dyn std::fmt::Display),
-    ) -> Result<(f64, ScheduleTimes), Error> {
+    ) -> Result<(LossSums, ScheduleTimes), Error> {
         let training = matches!(pass, Pass::Train { .. });
         let actions = if training { std::mem::take(&mut self.train) } else { schedule::forward_only(self.chunks.len(), micro_batches) };
         let outcome = self.run_actions(&actions, (&mut pass, params, hooks), micro_batches, batch, observe);
@@ -193,11 +208,11 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
         micro_batches: usize,
         batch: &mut dyn FnMut(usize) -> Result<LocalBatch, Error>,
         observe: &mut dyn FnMut(&dyn std::fmt::Display),
-    ) -> Result<(f64, ScheduleTimes), Error> {
+    ) -> Result<(LossSums, ScheduleTimes), Error> {
         let last_use = schedule::last_use(actions, micro_batches);
         // The tokens of the micro-batches started and not yet past their last action.
         let mut loaded: Vec<(usize, LocalBatch)> = vec![];
-        let (mut loss_sum, mut times, start) = (0.0, ScheduleTimes::default(), Instant::now());
+        let (mut loss_sum, mut times, start) = (LossSums::default(), ScheduleTimes::default(), Instant::now());
         for (i, &action) in actions.iter().enumerate() {
             observe(&Progress { action, of: micro_batches });
             let (t0, micro) = (Instant::now(), action.micro());
@@ -261,14 +276,14 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
         hooks: Hooks<'_, f32, B>,
         tokens: &LocalBatch,
         received: bool,
-    ) -> f64 {
+    ) -> LossSums {
         let input = std::mem::take(&mut self.received);
         let step = Step { chunk: action.chunk(), micro: action.micro(), input: received.then_some(&input), hooks };
         let loss = match (action, pass) {
             (Action::Forward { .. }, pass) => self.forward(step, matches!(pass, Pass::Train { .. }), params, tokens),
             (Action::Backward { .. }, Pass::Train { grads, loss_scale }) => {
                 self.backward(step, params, grads, *loss_scale);
-                0.0
+                LossSums::default()
             }
             (Action::Weight { .. }, Pass::Train { grads, .. }) => {
                 let work = take_entry(&mut self.deferred, (step.chunk, step.micro));
@@ -276,7 +291,7 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
                 grads.begin_micro_step(step.micro + 1 == self.micro_batches);
                 work.apply(&self.be, &mut Offset { inner: &mut **grads, offset: self.chunks[step.chunk].offset });
                 self.spare_work.push(work);
-                0.0
+                LossSums::default()
             }
             (_, Pass::Evaluate) => unreachable!("an evaluation runs forwards only"),
         };
@@ -287,7 +302,7 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
     /// A chunk's forward of a micro-batch, its output sent on where a stage follows. In
     /// training the model keeps the activations until its backward; in an evaluation it is
     /// free again at once and the gathered weights are released.
-    fn forward(&mut self, step: Step<'_, '_, B>, training: bool, params: &mut FsdpParams<'g, B>, tokens: &LocalBatch) -> f64 {
+    fn forward(&mut self, step: Step<'_, '_, B>, training: bool, params: &mut FsdpParams<'g, B>, tokens: &LocalBatch) -> LossSums {
         let mut model = self.take_model(step.chunk);
         if training {
             params.begin_micro_step();
@@ -303,7 +318,8 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             seq: s_local,
         };
         let offset = self.chunks[step.chunk].offset;
-        let loss = model.forward_stage(&mut Offset { inner: params, offset }, &tok, step.hooks, step.input);
+        let cross_entropy = model.forward_stage(&mut Offset { inner: params, offset }, &tok, step.hooks, step.input);
+        let loss = LossSums { cross_entropy, aux: if self.chunks[step.chunk].head { model.aux_loss_sum() } else { 0.0 } };
         if !self.chunks[step.chunk].head {
             self.comm.send(&self.be, step.chunk, Direction::Forward, model.stage_output());
         }

@@ -28,6 +28,6 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let mut observe = |what: &dyn std::fmt::Display| beat(|| format!("evaluation of {batches} batch(es): {what}"));
         let hooks = self.par.hooks();
         let (loss_sum, _) = self.pipeline.run(Pass::Evaluate, &mut self.state.params, hooks, batches * ga, &mut batch, &mut observe)?;
-        Ok(global_loss_sum(mesh, loss_sum) / n_tok)
+        Ok(global_loss_sum(mesh, loss_sum.cross_entropy) / n_tok)
     }
 }

@@ -1,0 +1,180 @@
+//! The MLP of a mixture-of-experts block, forward beside backward: dropless token-choice
+//! routing ([`super::router`]), each expert's tokens gathered into one contiguous group, one
+//! SwiGLU FFN per expert over its group (a grouped linear layer), and the weighted outputs
+//! gathered back per chosen slot. `MixtralSparseMoeBlock` and `Qwen3MoeSparseMoeBlock`
+//! compute the same sums (`docs/model.md`, *Mixture of experts*).
+//!
+//! Routing is decided on the host from the router logits (it is a sort of `E` numbers per
+//! row); the rows themselves stay on the backend.
+//!
+//! Legend: `N` rows of this rank, `D` width, `E` experts, `k` experts per row, `Fe` each
+//! expert's FFN width, `Nk = N·k` routed rows (sorted by expert).
+
+use super::activations::{BlockActs, BlockGrads};
+use super::block::{BlockCtx, WeightGrads};
+use super::params::{Experts, MoeDims};
+use super::router::{route, route_backward, ExpertLoad, Routing};
+use crate::backend::{with_host, Backend};
+use crate::scalar::Real;
+
+/// The routing of one block's rows, sorted by expert: what backward needs to send gradients
+/// back the way the rows came.
+#[derive(Default)]
+pub(super) struct RoutedRows {
+    pub(super) routing: Routing<f64>,
+    /// `[Nk]`: the row of each routed row, expert by expert, rows in order within an expert.
+    rows: Vec<u32>,
+    /// `[N·k]`: where row `r`'s `j`-th choice sits among the routed rows (`[r·k + j]`).
+    position: Vec<u32>,
+    /// `[Nk]`: each routed row's gate weight.
+    weights: Vec<f64>,
+    /// `[E + 1]`: expert `e`'s routed rows are `offsets[e]..offsets[e + 1]`.
+    offsets: Vec<usize>,
+}
+
+impl RoutedRows {
+    /// Sorts the choices of `routing` by expert (a counting sort: rows stay in order).
+    fn new(e: &MoeDims, routing: Routing<f64>) -> RoutedRows {
+        let k = e.router.top_k;
+        let mut offsets = vec![0usize; e.router.experts + 1];
+        for &x in &routing.experts {
+            offsets[x as usize + 1] += 1;
+        }
+        for i in 0..e.router.experts {
+            offsets[i + 1] += offsets[i];
+        }
+        let mut next = offsets.clone();
+        let nk = routing.experts.len();
+        let (mut rows, mut position, mut weights) = (vec![0u32; nk], vec![0u32; nk], vec![0.0; nk]);
+        for (c, (&x, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
+            let at = next[x as usize];
+            next[x as usize] += 1;
+            rows[at] = (c / k) as u32;
+            position[c] = at as u32;
+            weights[at] = w;
+        }
+        RoutedRows { routing, rows, position, weights, offsets }
+    }
+
+    /// The routed rows of every row's `j`-th choice, in row order.
+    fn slot(&self, j: usize, k: usize) -> Vec<u32> {
+        self.position.iter().skip(j).step_by(k).copied().collect()
+    }
+
+    /// The gate weights of every row's `j`-th choice, in row order.
+    fn slot_weights<T: Real>(&self, j: usize, k: usize) -> Vec<T> {
+        self.routing.weights.iter().skip(j).step_by(k).map(|&w| T::from_f64(w)).collect()
+    }
+
+    /// The expert load of rows `first..first + n`.
+    pub(super) fn add_load(&self, e: &MoeDims, load: &mut ExpertLoad, first: usize, n: usize) {
+        load.add(e.router, &self.routing, first, n);
+    }
+}
+
+/// The routing of rows `x [N, D]` by the router `w [E, D]`; `logits [N, E]` is scratch.
+fn route_rows<T: Real, B: Backend<T>>(be: &B, e: &MoeDims, logits: &mut B::Buf, x: &B::Buf, w: &B::Buf, n: usize, d: usize) -> RoutedRows {
+    be.linear_fwd(logits, x, w, n, e.router.experts, d, false);
+    let z: Vec<f64> = with_host(be, &[&*logits], |v| v[0].iter().map(|x| x.to_f64()).collect());
+    RoutedRows::new(e, route(e.router, &z, None))
+}
+
+/// Forward of the mixture of experts on `a.xn2 [N, D]` into `out [N, D]` (`=`, before the
+/// residual); `out = None` is the recomputation for backward, which stops before combining.
+pub(super) fn moe_fwd<T: Real, B: Backend<T>>(
+    ctx: &BlockCtx<T, B>,
+    w: &Experts<B::Buf>,
+    a: &mut BlockActs<B::Buf>,
+    g: &mut BlockGrads<B::Buf>,
+    out: Option<&mut B::Buf>,
+) {
+    let (be, m) = (ctx.be, ctx.m);
+    let e = m.moe.as_ref().expect("a mixture-of-experts block has its sizes");
+    let (d, fe, k) = (m.d, e.ffn, e.router.top_k);
+    let n = be.len(&a.xn2) / d;
+    let routed = route_rows(be, e, &mut g.moe_logits, &a.xn2, &w.gate, n, d);
+    let (gates, ups, downs) = weights(w);
+    be.gather_rows(&mut a.moe_x, &a.xn2, &routed.rows, d);
+    be.grouped_linear_fwd(&mut a.moe_gate, &a.moe_x, &gates, &routed.offsets, fe, d);
+    be.grouped_linear_fwd(&mut a.moe_up, &a.moe_x, &ups, &routed.offsets, fe, d);
+    (ctx.hooks.progress)();
+    be.swiglu_fwd(&mut a.moe_h, &a.moe_gate, &a.moe_up);
+    be.grouped_linear_fwd(&mut a.moe_y, &a.moe_h, &downs, &routed.offsets, d, fe);
+    (ctx.hooks.progress)();
+    if let Some(out) = out {
+        // out[r] = Σ_j w_{r,j} · y[position(r, j)], the choices in order.
+        for j in 0..k {
+            let dst = if j == 0 { &mut *out } else { &mut g.moe_slot };
+            be.gather_rows(dst, &a.moe_y, &routed.slot(j, k), d);
+            be.scale_rows(dst, &routed.slot_weights::<T>(j, k), d);
+            if j > 0 {
+                be.add_assign(out, &g.moe_slot);
+            }
+        }
+    }
+    a.routed = routed;
+}
+
+/// Backward of [`moe_fwd`]: from `dout [N, D]` (the gradient of its output) into `dxn [N, D]`
+/// (`g.dxn`, `=`: the gradient of `a.xn2`); weight gradients ACCUMULATE into `dw`; the
+/// auxiliary loss's gradient of the probabilities comes from `ctx.aux`.
+pub(super) fn moe_bwd<'c, T: Real, B: Backend<T>>(
+    ctx: &BlockCtx<'c, T, B>,
+    w: &Experts<B::Buf>,
+    dw: &mut WeightGrads<B::Buf>,
+    a: &BlockActs<B::Buf>,
+    g: &mut BlockGrads<B::Buf>,
+    dout: &B::Buf,
+) {
+    let (be, m) = (ctx.be, ctx.m);
+    let e = m.moe.as_ref().expect("a mixture-of-experts block has its sizes");
+    let (d, fe, k) = (m.d, e.ffn, e.router.top_k);
+    let r = &a.routed;
+    let n = r.position.len() / k;
+    let dw = match dw {
+        WeightGrads::Now(l) => l.moe.as_mut().expect("the gradient of a mixture-of-experts block has experts"),
+        WeightGrads::Deferred(_) => unreachable!("zero bubble runs dense blocks only (the deck check refuses experts with pp > 1)"),
+    };
+    let (gates, ups, downs) = weights(w);
+    // y = down(h) is scaled by its gate weight: dy = w·dout, and dw_{r,j} = dout[r] · y.
+    be.gather_rows(&mut g.moe_dy, dout, &r.rows, d);
+    let dweight_sorted = be.row_dots(&g.moe_dy, &a.moe_y, d);
+    let dweights: Vec<f64> = r.position.iter().map(|&p| dweight_sorted[p as usize]).collect();
+    let scale: Vec<T> = r.weights.iter().map(|&x| T::from_f64(x)).collect();
+    be.scale_rows(&mut g.moe_dy, &scale, d);
+    be.grouped_linear_bwd_input(&mut g.moe_dh, &g.moe_dy, &downs, &r.offsets, d, fe, false);
+    let mut ddowns: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.down_proj).collect();
+    be.grouped_linear_bwd_weight(&mut ddowns, &g.moe_dy, &a.moe_h, &r.offsets, d, fe, true);
+    (ctx.hooks.progress)();
+    be.swiglu_bwd(&mut g.moe_dgate, &mut g.moe_dup, &g.moe_dh, &a.moe_gate, &a.moe_up);
+    be.grouped_linear_bwd_input(&mut g.moe_dx, &g.moe_dgate, &gates, &r.offsets, fe, d, false);
+    be.grouped_linear_bwd_input(&mut g.moe_dx, &g.moe_dup, &ups, &r.offsets, fe, d, true);
+    let mut dgates: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.gate_proj).collect();
+    be.grouped_linear_bwd_weight(&mut dgates, &g.moe_dgate, &a.moe_x, &r.offsets, fe, d, true);
+    let mut dups: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.up_proj).collect();
+    be.grouped_linear_bwd_weight(&mut dups, &g.moe_dup, &a.moe_x, &r.offsets, fe, d, true);
+    (ctx.hooks.progress)();
+    be.fill(&mut g.dxn, T::ZERO);
+    be.scatter_add_rows(&mut g.dxn, &g.moe_dx, &r.rows, d);
+    // The router: logits z = xn2 · Wᵀ, through the softmax and the gate weights (and the
+    // probabilities' sums in the auxiliary loss).
+    let experts = e.router.experts;
+    let mut dz = vec![0.0f64; n * experts];
+    let (per_sequence, s) = (ctx.aux, ctx.s);
+    let row_grad = |row: usize| -> &'c [f64] { per_sequence[row / s].as_slice() };
+    let aux: Option<&dyn Fn(usize) -> &'c [f64]> = if per_sequence.is_empty() { None } else { Some(&row_grad) };
+    route_backward(e.router, &r.routing, &dweights, aux, &mut dz);
+    let dz: Vec<T> = dz.into_iter().map(T::from_f64).collect();
+    be.upload(&mut g.moe_logits, &dz);
+    be.linear_bwd(&mut g.dxn, true, &mut dw.gate, &g.moe_logits, &a.xn2, &w.gate, n, experts, d);
+}
+
+/// Every expert's gate, up and down projections.
+#[allow(clippy::type_complexity)]
+fn weights<V>(w: &Experts<V>) -> (Vec<&V>, Vec<&V>, Vec<&V>) {
+    (
+        w.experts.iter().map(|x| &x.gate_proj).collect(),
+        w.experts.iter().map(|x| &x.up_proj).collect(),
+        w.experts.iter().map(|x| &x.down_proj).collect(),
+    )
+}
