@@ -183,6 +183,37 @@ const BAD: &[Bad] = &[
     bad_set("synthetic branching", &["data.synthetic_branching=0"], 1, &["m:[data] synthetic_branching(0)"]),
     bad_set("log every zero", &["log.every=0"], 1, &["m:[log] every must be ≥ 1, but it is 0"]),
     bad_set("negative peak", &["hardware.peak_flops_per_rank=-1"], 1, &["m:[hardware] peak_flops_per_rank"]),
+    // A mixture of experts.
+    bad_set(
+        "more experts per token than experts",
+        &["model.n_experts=4", "model.experts_per_token=5", "model.moe_ffn_hidden=8"],
+        1,
+        &["m:[model] experts_per_token(5) must be in 1..=n_experts(4)"],
+    ),
+    bad_set(
+        "experts without their width",
+        &["model.n_experts=4", "model.experts_per_token=2"],
+        1,
+        &["m:[model] moe_ffn_hidden must be ≥ 1"],
+    ),
+    bad_set(
+        "an expert key on a dense model",
+        &["model.experts_per_token=2"],
+        1,
+        &["m:[model] experts_per_token is set, but n_experts = 0", "h:set n_experts"],
+    ),
+    bad_set(
+        "experts with tensor parallelism",
+        &["model.n_experts=4", "model.experts_per_token=2", "model.moe_ffn_hidden=8", "parallel.tp=2"],
+        2,
+        &["m:[parallel] tp = 2, but a mixture of experts ([model] n_experts = 4) runs with data parallelism only", "h:set tp = 1"],
+    ),
+    bad_set(
+        "dense blocks beyond the model",
+        &["model.n_experts=4", "model.experts_per_token=2", "model.moe_ffn_hidden=8", "model.first_dense_layers=3"],
+        1,
+        &["m:[model] first_dense_layers(3) exceeds n_layers(2)"],
+    ),
 ];
 
 fn overrides(set: &[&str]) -> Vec<String> {
@@ -278,6 +309,11 @@ fn aliases_set_the_canonical_keys() {
     let deck = "[parallel]\ndp_replicate_size = 2\ndp_shard_size = 2\ncontext_parallel_size = 2\ntensor_parallel_size = 2\n[train]\nseq_len = 64\n";
     let r = resolve(deck, &[], 16).unwrap();
     assert_eq!((r.layout.dp_replicate, r.layout.dp_shard, r.layout.cp, r.layout.tp), (2, 2, 2, 2));
+    // Hugging Face's names of the expert keys (Mixtral's and Qwen3-MoE's).
+    let r = resolve("[model]\nnum_local_experts = 8\nnum_experts_per_tok = 2\nmoe_intermediate_size = 16\n", &[], 1).unwrap();
+    assert_eq!((r.deck.model.n_experts, r.deck.model.experts_per_token, r.deck.model.moe_ffn_hidden), (8, 2, 16));
+    let r = resolve("[model]\nnum_experts = 4\nexperts_per_token = 1\nmoe_ffn_hidden = 8\n", &[], 1).unwrap();
+    assert_eq!(r.deck.model.n_experts, 4);
     let r = resolve("[parallel]\ntp_size = 2\ncp_size = 2\n", &[], 8).unwrap();
     assert_eq!((r.layout.tp, r.layout.cp, r.layout.dp_shard), (2, 2, 2));
     // The resolved deck is saved with canonical keys only, and reads back the same.

@@ -73,10 +73,15 @@ impl BatchShape {
 /// cp group, and over `pp`, where only the last stage computes a loss and the others add zero.
 fn global_loss_sum(mesh: &Mesh, local: f64) -> f64 {
     let mut sum = [local];
-    mesh.batch.all_reduce_sum_f64(&mut sum);
-    mesh.cp.all_reduce_sum_f64(&mut sum);
-    mesh.pp.all_reduce_sum_f64(&mut sum);
+    global_sums(mesh, &mut sum);
     sum[0]
+}
+
+/// [`global_loss_sum`] of several sums at once (the cross entropy and the auxiliary loss).
+fn global_sums(mesh: &Mesh, sums: &mut [f64]) {
+    mesh.batch.all_reduce_sum_f64(sums);
+    mesh.cp.all_reduce_sum_f64(sums);
+    mesh.pp.all_reduce_sum_f64(sums);
 }
 
 /// The learning rate and the update: the deck's `[optim]`, the peak rate after batch-size
@@ -181,9 +186,9 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         self.state.grads.zero();
         pt[Phase::Backward] += start.elapsed().as_secs_f64();
         let (sums, n_tok) = self.micro_steps(step, &mut pt)?;
-        let (loss, grad_norm) = self.reduce(step, sums.cross_entropy, n_tok, &mut pt)?;
+        let (loss, aux, grad_norm) = self.reduce(step, sums, n_tok, &mut pt)?;
         // Every sequence has seq_len targets: the batch holds n_tok / seq_len of them.
-        let aux_loss = self.moe.then(|| global_loss_sum(self.par.mesh, sums.aux) * self.shape.seq_len as f64 / n_tok);
+        let aux_loss = aux.map(|a| a * self.shape.seq_len as f64 / n_tok);
         let t_opt = Instant::now();
         let lr = lr_at(&self.schedule.optim, self.schedule.peak_lr, step, self.schedule.steps);
         // The loss and the norm are global reductions: every rank takes the same branch.
@@ -237,11 +242,15 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
     /// After the last micro-step: the global-batch loss, the gradients' reduction over the
     /// data-parallel groups (and the tied embedding's over the pipeline's ends), and the global
     /// norm.
-    fn reduce(&mut self, step: u64, loss_sum: f64, n_tok: f64, pt: &mut PhaseTimes) -> Result<(f64, f64), Error> {
+    /// Returns the loss, the summed auxiliary loss of the batch's sequences (with experts) and
+    /// the norm.
+    fn reduce(&mut self, step: u64, sums: LossSums, n_tok: f64, pt: &mut PhaseTimes) -> Result<(f64, Option<f64>, f64), Error> {
         beat(|| format!("step {}: gradient reduction and norm", step + 1));
         let t_comm = Instant::now();
         let mesh = self.par.mesh;
-        let loss = global_loss_sum(mesh, loss_sum) / n_tok;
+        let mut both = [sums.cross_entropy, sums.aux];
+        global_sums(mesh, &mut both[..1 + self.moe as usize]);
+        let (loss, aux) = (both[0] / n_tok, self.moe.then_some(both[1]));
         let grads = &mut self.state.grads;
         grads.finish_step();
         grads.sum_partial_over_tp(self.par.comms.tp, self.par.tp.sequence_parallel);
@@ -256,7 +265,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         mesh.tp.all_reduce_sum_f64(&mut sq);
         mesh.pp.all_reduce_sum_f64(&mut sq);
         pt[Phase::Comm] += t_comm.elapsed().as_secs_f64();
-        Ok((loss, sq[0].sqrt()))
+        Ok((loss, aux, sq[0].sqrt()))
     }
 
     /// Waits for the device's queued work; a failed device operation (or the injected one of

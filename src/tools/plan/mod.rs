@@ -224,6 +224,14 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
         // The loss and the squared gradient norm, 8 bytes each.
         out.insert("pp.all_reduce".into(), 16);
     }
+    if deck.model.is_moe() {
+        // The auxiliary loss's sum travels with the loss: 8 bytes more in each of its reductions.
+        for key in ["batch.all_reduce", "cp.all_reduce", "pp.all_reduce"] {
+            if let Some(b) = out.get_mut(key) {
+                *b += 8;
+            }
+        }
+    }
     out
 }
 
