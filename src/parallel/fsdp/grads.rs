@@ -60,7 +60,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
             fsdp,
             dp_rep,
             shards,
-            globals: Some(Params::alloc(&Dims { layers: 0, ..m.clone() }, |n| be.zeros(n))),
+            globals: Some(Params::alloc(&Dims { layers: 0, layer_ids: vec![], ..m.clone() }, |n| be.zeros(n))),
             block: m.layer_ids.first().map(|&i| Layer::alloc(m, i, |n| be.zeros(n))),
             other_block: None,
             current: None,

@@ -178,7 +178,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
         if self.globals.is_none() {
             let mut g = match self.spare_globals.take() {
                 Some(g) => g,
-                None => Params::alloc(&Dims { layers: 0, ..self.m.clone() }, |n| self.be.zeros(n)),
+                None => Params::alloc(&Dims { layers: 0, layer_ids: vec![], ..self.m.clone() }, |n| self.be.zeros(n)),
             };
             if self.plan.degree > 1 {
                 self.gather_unit(0);
