@@ -33,6 +33,11 @@ fn every_data_parallel_layout_of_experts_matches_one_rank() {
         ("HSDP=2x2", 4, &["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
         ("FSDP=2 full checkpointing", 2, &["parallel.dp_shard=2", "train.activation_checkpointing=\"full\""]),
         ("FSDP=2 selective checkpointing", 2, &["parallel.dp_shard=2", "train.activation_checkpointing=\"selective\""]),
+        ("TP=2", 2, &["parallel.tp=2", "parallel.dp_shard=1"]),
+        ("TP=2 SP", 2, &["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"]),
+        ("CP=2", 2, &["parallel.cp=2", "parallel.dp_shard=1"]),
+        ("FSDP=2 x CP=2", 4, &["parallel.cp=2", "parallel.dp_shard=2"]),
+        ("CP=2 x TP=2 SP", 4, &["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"]),
     ];
     assert_layouts_match_with(dir.path(), EXPERTS, &base, layouts);
     let aux_hsdp = column(&dir.path().join("HSDP_2x2"), "aux_loss");

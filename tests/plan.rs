@@ -60,6 +60,33 @@ fn the_plan_matches_the_measured_bytes_and_memory() {
         ("pp2_gpipe", 2, &["parallel.pp=2", "parallel.pp_schedule=\"gpipe\""]),
         // Zero bubble: 1F1B's activations, and the weight-gradient operands it keeps.
         ("pp2_zero_bubble", 2, &["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\""]),
+        // A mixture of experts (8 of width 384, top-2, a dense first block): the experts'
+        // routed rows and their all-reduced loads.
+        (
+            "moe_fsdp2",
+            2,
+            &[
+                "parallel.dp_shard=2",
+                "model.n_experts=8",
+                "model.experts_per_token=2",
+                "model.moe_ffn_hidden=384",
+                "model.first_dense_layers=1",
+            ],
+        ),
+        (
+            "moe_tp2_sp_cp2",
+            4,
+            &[
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.cp=2",
+                "parallel.dp_shard=1",
+                "model.n_experts=8",
+                "model.experts_per_token=2",
+                "model.moe_ffn_hidden=384",
+                "model.router_aux_loss_coef=0.01",
+            ],
+        ),
     ];
     for (name, ranks, layout) in layouts {
         let mut sets: Vec<&str> = MODEL.to_vec();

@@ -532,22 +532,15 @@ impl Deck {
         self.check_expert_layout(l)
     }
 
-    /// The layouts a mixture of experts runs on: data parallelism (replicated and sharded)
-    /// only, so far.
+    /// The layouts a mixture of experts runs on: every one without a pipeline, so far.
     fn check_expert_layout(&self, l: &Layout) -> Result<(), ConfigError> {
-        if !self.model.is_moe() {
-            return Ok(());
-        }
-        for (key, v) in [("pp", l.pp), ("cp", l.cp), ("tp", l.tp)] {
-            need(v == 1, || {
-                err(format!(
-                    "[parallel] {key} = {v}, but a mixture of experts ([model] n_experts = {}) runs with data parallelism only (dp_replicate × dp_shard) so far",
-                    self.model.n_experts
-                ))
-                .with_hint(format!("set {key} = 1 and spread the ranks over dp_shard"))
-            })?;
-        }
-        Ok(())
+        need(!self.model.is_moe() || l.pp == 1, || {
+            err(format!(
+                "[parallel] pp = {}, but a mixture of experts ([model] n_experts = {}) runs without a pipeline so far",
+                l.pp, self.model.n_experts
+            ))
+            .with_hint("set pp = 1 and spread the ranks over dp_shard, cp or tp")
+        })
     }
 
     /// `(grad_accum, global_batch)` from whichever of the two the deck gives.

@@ -91,8 +91,9 @@ pub(super) enum ActsRole {
 pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole, mlp: Mlp) -> [usize; 24] {
     let (d, hd) = (m.d, m.hd);
     let f = mlp.dense as usize * m.ffn_local;
-    let (nk, fe) = routed_rows(m, n, mlp);
     let nl = rows.local;
+    // The experts act on this rank's rows.
+    let (nk, fe) = routed_rows(m, nl, mlp);
     let (qd, kvd) = (m.heads_local * hd, m.kv_heads_local * hd);
     let qk = m.qk_norm as usize;
     let (h, kv) = (m.heads_local, m.kv_heads_local);
@@ -132,7 +133,7 @@ pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, rol
     std::array::from_fn(|i| if keep(i) { all[i] } else { 0 })
 }
 
-/// Routed rows `N·k` of a micro-batch of `n` rows, and the experts' width, where `mlp` has
+/// Routed rows `n·k` of a rank's `n` rows, and the experts' width, where `mlp` has
 /// experts (else zeros).
 fn routed_rows(m: &Dims, n: usize, mlp: Mlp) -> (usize, usize) {
     match m.moe.as_ref().filter(|_| mlp.experts) {
@@ -261,8 +262,9 @@ pub(super) fn block_grads_lens(m: &Dims, n: usize, rows: Rows, mlp: Mlp) -> [usi
     let f = mlp.dense as usize * m.ffn_local;
     let (qd, kvd) = (m.heads_local * hd, m.kv_heads_local * hd);
     let full = rows.gathered * d;
-    let (nk, fe) = routed_rows(m, n, mlp);
-    let (ne, nd) = if nk > 0 { (n * m.moe.as_ref().map_or(0, |e| e.router.experts), n * d) } else { (0, 0) };
+    let nl = rows.local;
+    let (nk, fe) = routed_rows(m, nl, mlp);
+    let (ne, nd) = if nk > 0 { (nl * m.moe.as_ref().map_or(0, |e| e.router.experts), nl * d) } else { (0, 0) };
     [
         rows.local * d,
         rows.local * d,

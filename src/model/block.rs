@@ -27,6 +27,9 @@ pub(super) struct BlockCtx<'a, T: Real, B: Backend<T>> {
     /// The auxiliary loss's gradient of the router probabilities (`[E]`, the same for every
     /// row of a sequence), per sequence of the micro-batch; empty without the loss.
     pub(super) aux: &'a [Vec<f64>],
+    /// The index among the micro-batch's `B·S` rows of this rank's first row (sequence
+    /// parallelism gives each tp rank a contiguous part).
+    pub(super) first_row: usize,
 }
 
 impl<T: Real, B: Backend<T>> BlockCtx<'_, T, B> {

@@ -76,6 +76,9 @@ impl<V> GradSink<V> for Params<V> {
 pub trait TensorParallel<V> {
     /// Rows of the residual stream this rank holds of `n` (`N_local`).
     fn local_rows(&self, n: usize) -> usize;
+    /// The index among the `n` rows of the micro-batch of this rank's first row (its rows are
+    /// contiguous).
+    fn first_row(&self, n: usize) -> usize;
     /// Rows of the scratch that [`TensorParallel::gather`] fills (0 where it needs none).
     fn gathered_rows(&self, n: usize) -> usize;
     /// All `N` rows of `local` for a column-parallel projection: gathered into `full`, or
@@ -122,10 +125,33 @@ pub trait AttentionSchedule<T: Real, B: Backend<T>> {
     fn visible_pairs(&self, q_pos: &[usize]) -> u64;
 }
 
+/// Statistics each sequence of a micro-batch gathers from its rows, wherever they are (a
+/// mixture of experts' expert load): rows of one sequence sit on several ranks under context
+/// parallelism and under sequence parallelism. One rank: they are all here ([`WholeSequences`]).
+pub trait SequenceShards {
+    /// Sums `x` (host numbers, in the same order on every rank) over the ranks that hold rows
+    /// of this rank's sequences.
+    fn sum(&self, x: &mut [f64]);
+    /// Whether this rank counts its sequences in the step's loss sums (exactly one of the
+    /// ranks that share them does).
+    fn counts(&self) -> bool;
+}
+
+/// Every row of a sequence is on this rank.
+pub struct WholeSequences;
+
+impl SequenceShards for WholeSequences {
+    fn sum(&self, _x: &mut [f64]) {}
+    fn counts(&self) -> bool {
+        true
+    }
+}
+
 /// How one rank's model meets the other ranks during a pass.
 pub struct Hooks<'a, T: Real, B: Backend<T>> {
     pub tp: &'a dyn TensorParallel<B::Buf>,
     pub attention: &'a dyn AttentionSchedule<T, B>,
+    pub sequences: &'a dyn SequenceShards,
     /// Called between the large pieces of a block's compute, so communication started outside
     /// the model (the next block's all-gather, the last block's gradient reduction) moves while
     /// it computes: MPI progresses non-blocking operations only inside its calls.
@@ -146,7 +172,7 @@ pub fn no_progress() {}
 impl<T: Real, B: Backend<T>> Hooks<'static, T, B> {
     /// One rank: every hook is the identity or the local kernel.
     pub fn one_rank() -> Self {
-        Hooks { tp: &OneRank, attention: &LocalAttention, progress: no_progress }
+        Hooks { tp: &OneRank, attention: &LocalAttention, sequences: &WholeSequences, progress: no_progress }
     }
 }
 
@@ -157,6 +183,9 @@ pub struct OneRank;
 impl<V> TensorParallel<V> for OneRank {
     fn local_rows(&self, n: usize) -> usize {
         n
+    }
+    fn first_row(&self, _n: usize) -> usize {
+        0
     }
     fn gathered_rows(&self, _n: usize) -> usize {
         0

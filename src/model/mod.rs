@@ -87,6 +87,8 @@ pub struct Model<T: Real, B: Backend<T> = Cpu> {
     loads: Vec<ExpertLoad>,
     /// The auxiliary loss's gradient of the router probabilities, per sequence (backward).
     aux_grads: Vec<Vec<f64>>,
+    /// This rank counts its sequences' auxiliary losses (`SequenceShards::counts`).
+    counts_sequences: bool,
     _t: std::marker::PhantomData<T>,
 }
 
@@ -145,6 +147,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             dx: Default::default(),
             loads: vec![],
             aux_grads: vec![],
+            counts_sequences: true,
             _t: std::marker::PhantomData,
         }
     }
@@ -218,6 +221,9 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
     /// for a dense model): each sequence's `E / R² · Σ_e c_e·P_e` over its rows in every
     /// mixture-of-experts block (`router::ExpertLoad`).
     pub fn aux_loss_sum(&self) -> f64 {
+        if !self.counts_sequences {
+            return 0.0;
+        }
         self.loads.iter().map(ExpertLoad::aux_loss).sum()
     }
 
@@ -283,7 +289,8 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         self.be.set_ids(&mut self.targets, tok.targets);
         let be = &self.be;
         let (d, v, nl) = (self.m.d, self.m.vocab_local, self.m.layers);
-        let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s, aux: &[] };
+        let first_row = tp.first_row(b * s);
+        let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s, aux: &[], first_row };
         self.loads = match &self.m.moe {
             Some(e) => vec![ExpertLoad::new(e.router.experts); b],
             None => vec![],
@@ -321,13 +328,19 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             }
             if let Some(e) = self.m.moe.as_ref().filter(|_| self.m.moe_layer(self.m.layer_ids[l])) {
                 let acts = if self.ckpt == ActCkpt::Full { &self.scratch } else { &self.saved[l] };
+                let rows = first_row..first_row + tp.local_rows(b * s);
                 for (q, load) in self.loads.iter_mut().enumerate() {
-                    acts.routed.add_load(e, load, q * s, s);
+                    // This rank's rows of sequence q (all of them, or a part under SP).
+                    let (lo, hi) = ((q * s).max(rows.start), ((q + 1) * s).min(rows.end));
+                    if lo < hi {
+                        acts.routed.add_load(e, load, lo - rows.start, hi - lo);
+                    }
                 }
             }
             w.block_done(l);
         }
         self.scratch_is_last_block = nl > 0;
+        self.counts_sequences = gather_loads(&mut self.loads, hooks.sequences);
         self.attn_pairs += hooks.attention.visible_pairs(&self.positions) * (b * self.m.heads_local * nl) as u64;
         if !self.m.head {
             return 0.0;
@@ -437,7 +450,19 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             }
             _ => vec![],
         };
-        let ctx = BlockCtx { be, m: &self.m, hooks, cos: &self.rope_cos, sin: &self.rope_sin, pos: &self.pos, b, s, aux: &self.aux_grads };
+        let first_row = tp.first_row(n);
+        let ctx = BlockCtx {
+            be,
+            m: &self.m,
+            hooks,
+            cos: &self.rope_cos,
+            sin: &self.rope_sin,
+            pos: &self.pos,
+            b,
+            s,
+            aux: &self.aux_grads,
+            first_row,
+        };
 
         if !self.m.head {
             be.copy(&mut self.dx, output_grad.expect("a stage without the head starts from the next stage's gradient"));
@@ -507,6 +532,22 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             gs.globals_done();
         }
     }
+}
+
+/// Completes each sequence's expert load with its rows on other ranks (context and sequence
+/// parallelism), so every rank holding part of a sequence has its whole load; returns whether
+/// this rank counts the sequences' auxiliary losses.
+fn gather_loads(loads: &mut [ExpertLoad], sequences: &dyn hooks::SequenceShards) -> bool {
+    if !loads.is_empty() {
+        let mut packed = vec![];
+        loads.iter().for_each(|l| l.pack(&mut packed));
+        sequences.sum(&mut packed);
+        let mut rest = packed.as_slice();
+        for l in loads.iter_mut() {
+            rest = l.unpack(rest);
+        }
+    }
+    sequences.counts()
 }
 
 /// Zero bubble's weight-gradient operands of one micro-batch's backward on one model piece:

@@ -75,7 +75,7 @@ impl RoutedRows {
 /// The routing of rows `x [N, D]` by the router `w [E, D]`; `logits [N, E]` is scratch.
 fn route_rows<T: Real, B: Backend<T>>(be: &B, e: &MoeDims, logits: &mut B::Buf, x: &B::Buf, w: &B::Buf, n: usize, d: usize) -> RoutedRows {
     be.linear_fwd(logits, x, w, n, e.router.experts, d, false);
-    let z: Vec<f64> = with_host(be, &[&*logits], |v| v[0].iter().map(|x| x.to_f64()).collect());
+    let z: Vec<f64> = with_host(be, &[&*logits], |v| v[0][..n * e.router.experts].iter().map(|x| x.to_f64()).collect());
     RoutedRows::new(e, route(e.router, &z, None))
 }
 
@@ -160,8 +160,8 @@ pub(super) fn moe_bwd<'c, T: Real, B: Backend<T>>(
     // probabilities' sums in the auxiliary loss).
     let experts = e.router.experts;
     let mut dz = vec![0.0f64; n * experts];
-    let (per_sequence, s) = (ctx.aux, ctx.s);
-    let row_grad = |row: usize| -> &'c [f64] { per_sequence[row / s].as_slice() };
+    let (per_sequence, s, first) = (ctx.aux, ctx.s, ctx.first_row);
+    let row_grad = |row: usize| -> &'c [f64] { per_sequence[(first + row) / s].as_slice() };
     let aux: Option<&dyn Fn(usize) -> &'c [f64]> = if per_sequence.is_empty() { None } else { Some(&row_grad) };
     route_backward(e.router, &r.routing, &dweights, aux, &mut dz);
     let dz: Vec<T> = dz.into_iter().map(T::from_f64).collect();

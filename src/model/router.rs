@@ -157,6 +157,23 @@ impl ExpertLoad {
         self.rows += other.rows;
     }
 
+    /// Appends the load as numbers (counts, probability sums, rows) for a sum across ranks:
+    /// the counts stay exact integers in f64 up to 2^53.
+    pub fn pack(&self, out: &mut Vec<f64>) {
+        out.extend(self.counts.iter().map(|&c| c as f64));
+        out.extend_from_slice(&self.prob_sums);
+        out.push(self.rows as f64);
+    }
+
+    /// The load [`ExpertLoad::pack`] wrote at the start of `x`; returns what follows.
+    pub fn unpack<'x>(&mut self, x: &'x [f64]) -> &'x [f64] {
+        let e = self.counts.len();
+        self.counts.iter_mut().zip(x).for_each(|(c, &v)| *c = v as u64);
+        self.prob_sums.copy_from_slice(&x[e..2 * e]);
+        self.rows = x[2 * e] as u64;
+        &x[2 * e + 1..]
+    }
+
     /// The sequence's auxiliary loss `E / R² · Σ_e c_e·P_e` (0 for no rows).
     pub fn aux_loss(&self) -> f64 {
         if self.rows == 0 {

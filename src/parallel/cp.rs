@@ -5,12 +5,14 @@
 //! their global positions and targets, so every rank has the same causal work. The attention
 //! of a rank's queries runs over the whole sequence as the key and value blocks travel around
 //! the ring (`cp − 1` shifts, each posted before the compute on the current block so it
-//! overlaps), the partial results merged by an online softmax. Knows nothing of tensor or data
-//! parallelism.
+//! overlaps), the partial results merged by an online softmax. [`SequenceGroups`] sums what a
+//! sequence's rows gather (a mixture of experts' load) over the ranks that share the sequence:
+//! `cp`, and `tp` under sequence parallelism.
 
 use super::collective::Collective;
+use super::comm::Group;
 use crate::backend::{AttnDims, Backend};
-use crate::model::hooks::{AttentionSchedule, LocalAttention};
+use crate::model::hooks::{AttentionSchedule, LocalAttention, SequenceShards};
 use crate::model::params::Dims;
 use crate::model::positions::visible_pairs;
 use crate::scalar::Real;
@@ -87,6 +89,30 @@ pub fn attention_schedule<'a, T: Real, B: Backend<T> + 'a>(ring: &'a dyn Collect
         Box::new(LocalAttention)
     } else {
         Box::new(RingAttention::new(ring))
+    }
+}
+
+/// The ranks that hold rows of the same sequences: the `cp` group, and the `tp` group where
+/// sequence parallelism splits the rows (`tp` is `None` otherwise: every tp rank holds them
+/// all). Host sums of a few numbers per sequence, skipped on groups of one.
+pub struct SequenceGroups<'a> {
+    pub tp: Option<&'a Group>,
+    pub cp: &'a Group,
+}
+
+impl SequenceShards for SequenceGroups<'_> {
+    fn sum(&self, x: &mut [f64]) {
+        for g in self.tp.iter().chain([&self.cp]) {
+            if g.size() > 1 {
+                g.all_reduce_sum_f64(x);
+            }
+        }
+    }
+
+    /// The first rank of the `cp` group: the loss sums reduce over `cp` (never over `tp`, whose
+    /// ranks each hold the whole loss).
+    fn counts(&self) -> bool {
+        self.cp.rank() == 0
     }
 }
 

@@ -43,6 +43,14 @@ impl<V> TensorParallel<V> for Megatron<'_, V> {
         residual_rows(n, self.group.degree(), self.sequence_parallel).local
     }
 
+    fn first_row(&self, n: usize) -> usize {
+        if self.sequence_parallel {
+            self.group.rank() * self.local_rows(n)
+        } else {
+            0
+        }
+    }
+
     fn gathered_rows(&self, n: usize) -> usize {
         residual_rows(n, self.group.degree(), self.sequence_parallel).gathered
     }
@@ -138,6 +146,10 @@ pub fn global_from_local(local: &ModelParams<f32>, cfg: &ModelCfg, tp: &Group) -
 ///   and one reduce-scatter per recomputed block, plus the embedding's reduce-scatter and all-gather and the final
 ///   norm's all-gather and reduce-scatter;
 ///
+/// A mixture-of-experts block's MLP runs on this rank's rows without communicating: it drops
+/// the MLP's share (with sequence parallelism one all-gather and one reduce-scatter in forward,
+/// two all-gathers and one reduce-scatter in backward, one all-gather when recomputed; without,
+/// one all-reduce in each direction),
 /// and always three `[tokens]` all-reduces of the vocab-parallel cross entropy. Once per step:
 /// the 8-byte squared norm and the gradients of the replicated tensors each tp rank computes in
 /// part (`partial_shard_elems` elements on this rank: the per-head q/k norms, and with
@@ -165,12 +177,17 @@ pub fn predicted_tp_bytes(
     // and reduction (backward), and the vocabulary-parallel loss, where this rank runs them.
     let (e, h) = (m.embed as u64, m.head as u64);
     let ce = h * ga * 3 * tokens as u64 * 4;
+    // Mixture-of-experts blocks, and those of them recomputed (a block piece's last block is
+    // not; experts run without a pipeline, so this rank holds one piece).
+    let lm = m.layer_ids.iter().filter(|&&id| m.moe_layer(id)).count() as u64;
+    let last_moe = m.layer_ids.last().is_some_and(|&id| m.moe_layer(id)) as u64;
+    let rlm = if recompute { lm - last_moe } else { 0 };
     if sequence_parallel {
-        out.insert("tp.all_gather".into(), ga * nd4 * (6 * l + 2 * rl + e + h));
-        out.insert("tp.reduce_scatter".into(), ga * nd4 * (4 * l + rl + e + h));
+        out.insert("tp.all_gather".into(), ga * nd4 * (6 * l + 2 * rl + e + h - 3 * lm - rlm));
+        out.insert("tp.reduce_scatter".into(), ga * nd4 * (4 * l + rl + e + h - 2 * lm));
         out.insert("tp.all_reduce".into(), ce + 8 + partial_shard_elems as u64 * 4);
     } else {
-        out.insert("tp.all_reduce".into(), ga * nd4 * (e + h + 4 * l + rl) + ce + 8 + partial_shard_elems as u64 * 4);
+        out.insert("tp.all_reduce".into(), ga * nd4 * (e + h + 4 * l + rl - 2 * lm) + ce + 8 + partial_shard_elems as u64 * 4);
     }
     out
 }

@@ -15,7 +15,7 @@ use crate::metrics::{Phase, PhaseTimes};
 use crate::model::hooks::{AttentionSchedule, Hooks, TensorParallel};
 use crate::optim::{clip_coefficient, lr_at};
 use crate::parallel::collective::MeshCollectives;
-use crate::parallel::cp::LocalBatch;
+use crate::parallel::cp::{LocalBatch, SequenceGroups};
 use crate::parallel::mesh::Mesh;
 use crate::parallel::pp::executor::{Executor, LossSums, Pass, ScheduleTimes};
 use crate::parallel::pp::{rank_pieces, sum_tied_embedding};
@@ -106,11 +106,12 @@ struct Strategies<'g, B: Backend<f32>> {
     comms: MeshCollectives<'g, B::Buf>,
     tp: Megatron<'g, B::Buf>,
     attention: Box<dyn AttentionSchedule<f32, B> + 'g>,
+    sequences: SequenceGroups<'g>,
 }
 
 impl<'g, B: Backend<f32>> Strategies<'g, B> {
     fn hooks(&self) -> Hooks<'_, f32, B> {
-        Hooks { tp: &self.tp, attention: self.attention.as_ref(), progress: crate::parallel::comm::progress }
+        Hooks { tp: &self.tp, attention: self.attention.as_ref(), sequences: &self.sequences, progress: crate::parallel::comm::progress }
     }
 }
 
@@ -152,7 +153,13 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
             pipeline,
             state,
             data: Data::open(res, mesh, sources)?,
-            par: Strategies { mesh, tp, attention: crate::parallel::cp::attention_schedule(comms.cp), comms },
+            par: Strategies {
+                mesh,
+                tp,
+                attention: crate::parallel::cp::attention_schedule(comms.cp),
+                sequences: SequenceGroups { tp: p.sequence_parallel.then_some(&mesh.tp), cp: &mesh.cp },
+                comms,
+            },
             shape,
             schedule: Schedule { optim: deck.optim.clone(), peak_lr: res.lr, steps: deck.run.steps },
             moe: deck.model.is_moe(),

@@ -29,6 +29,11 @@ pub fn predicted_memory(plan: &ShardPlan, dp_rep: usize, reshard: bool, overlap:
     let shard = 4 * plan.shard_elements();
     let blocks = plan.units.len() - 1;
     let block = (1..=blocks).map(|u| plan.unit_elements(u)).max().unwrap_or(0);
+    // The gradient of a block in backward: one buffer per kind of block (dense, or a mixture
+    // of experts: its unit holds the router), each as large as the largest of its kind.
+    let moe = |u: usize| plan.units[u].tensors.iter().any(|t| t.name.ends_with(".mlp.gate.weight"));
+    let largest = |kind: bool| (1..=blocks).filter(|&u| moe(u) == kind).map(|u| plan.unit_elements(u)).max().unwrap_or(0);
+    let block_grads = largest(false) + largest(true);
     let held = if reshard { blocks.min(1) } else { blocks };
     // The gather buffers (and the prefetch's send buffer); none with degree 1.
     let buffers = if plan.degree > 1 { plan.max_gathered_len() + if overlap { plan.max_shard_len() } else { 0 } } else { 0 };
@@ -39,7 +44,7 @@ pub fn predicted_memory(plan: &ShardPlan, dp_rep: usize, reshard: bool, overlap:
         grads: shard,
         optim: 2 * shard,
         gathered_peak: 4 * (plan.unit_elements(0) + held * block + buffers),
-        grad_scratch: 4 * (plan.unit_elements(0) + block + reduce + outer),
+        grad_scratch: 4 * (plan.unit_elements(0) + block_grads + reduce + outer),
     }
 }
 

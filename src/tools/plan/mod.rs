@@ -231,6 +231,15 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
                 *b += 8;
             }
         }
+        // Each micro-batch's expert loads (per sequence: E counts, E probability sums and the
+        // rows, in f64) summed over the ranks that share its sequences.
+        let loads = (res.grad_accum * deck.train.micro_batch * (2 * deck.model.n_experts + 1) * 8) as u64;
+        if l.tp > 1 && sp {
+            *out.entry("tp.all_reduce".into()).or_default() += loads;
+        }
+        if l.cp > 1 {
+            *out.entry("cp.all_reduce".into()).or_default() += loads;
+        }
     }
     out
 }
