@@ -1,12 +1,16 @@
-//! A mixture of experts through the real binary under `mpirun`: every data-parallel layout
-//! (DP, FSDP, HSDP, with activation checkpointing) reproduces one rank, the auxiliary loss
-//! included, and the final model goes out as a Mixtral folder and comes back in.
+//! A mixture of experts through the real binary under `mpirun`: every layout (DP, FSDP, HSDP,
+//! TP with and without SP, CP, pipelines and their compositions, with activation
+//! checkpointing) reproduces one rank, the auxiliary loss included; a checkpoint written on one
+//! layout resumes on others; the final model goes out as a Mixtral or Qwen3-MoE folder and
+//! comes back in.
 //!
 //! The model is the tiny deck's with 8 experts of width 48, top-2, and the auxiliary loss on
 //! (its gradient is part of every step, so a layout that got it wrong would drift).
 
 mod common;
 use common::*;
+use ndtrain::io::checkpoint::tools;
+use std::path::{Path, PathBuf};
 
 const EXPERTS: &[&str] = &[
     "run.steps=10",
@@ -57,4 +61,85 @@ fn a_qwen3_moe_model_with_a_dense_block_trains_and_round_trips_through_hugging_f
     assert_equivalent("FSDP=2 with a dense block", &one, &fsdp);
     let config = std::fs::read_to_string(dir.path().join("one/final_hf/config.json")).unwrap();
     assert!(config.contains("\"Qwen3MoeForCausalLM\"") && config.contains("\"mlp_only_layers\": [\n    0\n  ]"), "{config}");
+}
+
+/// The expert model on 4 blocks (so a pipeline has 2 per stage and interleaving fits), 6
+/// steps with checkpoints at 3 and 6.
+fn pipeline_sets() -> Vec<&'static str> {
+    let mut sets = EXPERTS.to_vec();
+    sets.retain(|s| !s.starts_with("run.steps"));
+    sets.extend(["run.steps=6", "model.n_layers=4", "checkpoint.every=3"]);
+    sets
+}
+
+fn train(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> Vec<f64> {
+    let mut sets = pipeline_sets();
+    sets.extend_from_slice(extra);
+    train_losses(dir, name, &tiny_deck(), (ranks > 1).then_some(ranks), &sets).1
+}
+
+fn ckpt(dir: &Path, name: &str, step: u64) -> PathBuf {
+    dir.join(name).join("ckpt").join(format!("step_{step:08}.h5"))
+}
+
+/// Every tensor of two checkpoints within the layout tolerance of the larger one's scale
+/// (parameters `PARAM_TOL`; AdamW moments 5e-3, as in `tests/checkpoint.rs`).
+fn assert_close(name: &str, a: &Path, b: &Path) {
+    let names = tools::dataset_paths(a).unwrap();
+    assert_eq!(names, tools::dataset_paths(b).unwrap(), "{name}: the same tensors");
+    for n in names {
+        let (_, xa) = tools::read_tensor(a, &n).unwrap();
+        let (_, xb) = tools::read_tensor(b, &n).unwrap();
+        let scale = xa.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+        let diff = xa.iter().zip(&xb).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
+        let tol = if n.starts_with("model/") { PARAM_TOL } else { 5e-3 };
+        assert!(diff <= tol * scale, "{name}: {n}: max |Δ| {diff:e} vs scale {scale:e}");
+    }
+}
+
+/// Pipelines carry each micro-batch's expert loads with its activations and gradients: every
+/// schedule but zero bubble, composed with CP and FSDP, matches one rank (losses, auxiliary
+/// losses, the final checkpoint) and moves the bytes the planner predicts.
+#[test]
+fn pipelines_of_experts_match_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let base = train(d, "one", 1, &[]);
+    let aux = column(&d.join("one"), "aux_loss");
+    let layouts: &[(&str, usize, &[&str])] = &[
+        ("pp2_1f1b", 2, &["parallel.pp=2"]),
+        ("pp2_gpipe", 2, &["parallel.pp=2", "parallel.pp_schedule=\"gpipe\""]),
+        ("pp2_interleaved", 2, &["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=\"interleaved\""]),
+        ("pp2_cp2", 4, &["parallel.pp=2", "parallel.cp=2"]),
+        ("pp2_fsdp2_full", 4, &["parallel.pp=2", "parallel.dp_shard=2", "train.activation_checkpointing=\"full\""]),
+    ];
+    for (name, ranks, layout) in layouts {
+        let l = train(d, name, *ranks, layout);
+        assert_losses_within(name, &base, &l, LOSS_TOL);
+        assert_losses_within(&format!("{name} aux_loss"), &aux, &column(&d.join(name), "aux_loss"), LOSS_TOL);
+        assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
+        let mut sets = pipeline_sets();
+        sets.extend_from_slice(layout);
+        let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();
+        assert_bytes_match_formula(d, name, &deck, *ranks);
+    }
+}
+
+/// A checkpoint of the expert model written on CP 2 × TP 2 with SP resumes on one rank and on
+/// a pipeline with FSDP, and continues the one-rank curve.
+#[test]
+fn a_checkpoint_of_experts_resumes_on_other_layouts() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let one = train(d, "one", 1, &[]);
+    train(d, "writer", 4, &["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]);
+    let resume = format!("checkpoint.resume=\"{}\"", ckpt(d, "writer", 3).display());
+    for (name, ranks, layout) in [("on_one", 1, &[][..]), ("on_pp2_fsdp2", 4, &["parallel.pp=2", "parallel.dp_shard=2"][..])] {
+        let mut extra = layout.to_vec();
+        extra.push(&resume);
+        let l = train(d, name, ranks, &extra);
+        assert_losses_within(name, &one[3..], &l, LOSS_TOL);
+        assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
+    }
 }

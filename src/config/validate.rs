@@ -11,7 +11,7 @@
 //! One check per table, each naming its keys, then the layout's and the batch's rules that span
 //! tables, and their tests.
 
-use super::{ConfigError, Deck, LrScaling, Source};
+use super::{ConfigError, Deck, LrScaling, PpSchedule, Source};
 
 /// The resolved mesh degrees, outermost to innermost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -532,14 +532,15 @@ impl Deck {
         self.check_expert_layout(l)
     }
 
-    /// The layouts a mixture of experts runs on: every one without a pipeline, so far.
+    /// The layouts a mixture of experts runs on: every one but zero bubble's pipeline, so far.
     fn check_expert_layout(&self, l: &Layout) -> Result<(), ConfigError> {
-        need(!self.model.is_moe() || l.pp == 1, || {
+        let zero_bubble = l.pp > 1 && self.parallel.pp_schedule == PpSchedule::ZeroBubble;
+        need(!self.model.is_moe() || !zero_bubble, || {
             err(format!(
-                "[parallel] pp = {}, but a mixture of experts ([model] n_experts = {}) runs without a pipeline so far",
-                l.pp, self.model.n_experts
+                "[parallel] pp_schedule = \"zero_bubble\", but a mixture of experts ([model] n_experts = {}) does not defer its weight gradients yet",
+                self.model.n_experts
             ))
-            .with_hint("set pp = 1 and spread the ranks over dp_shard, cp or tp")
+            .with_hint("use pp_schedule = \"1f1b\", \"gpipe\" or \"interleaved\"")
         })
     }
 

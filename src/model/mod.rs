@@ -89,6 +89,9 @@ pub struct Model<T: Real, B: Backend<T> = Cpu> {
     aux_grads: Vec<Vec<f64>>,
     /// This rank counts its sequences' auxiliary losses (`SequenceShards::counts`).
     counts_sequences: bool,
+    /// A pipeline stage after the first: the loads of the stages before it, for the next
+    /// forward ([`Model::add_earlier_loads`]).
+    earlier_loads: Vec<f64>,
     _t: std::marker::PhantomData<T>,
 }
 
@@ -148,6 +151,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             loads: vec![],
             aux_grads: vec![],
             counts_sequences: true,
+            earlier_loads: vec![],
             _t: std::marker::PhantomData,
         }
     }
@@ -230,6 +234,27 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
     /// The expert load of each sequence of the last forward.
     pub fn expert_loads(&self) -> &[ExpertLoad] {
         &self.loads
+    }
+
+    /// A pipeline stage: the expert loads of the stages before this one (as
+    /// [`Model::packed_loads`] of the previous stage gave them), added to this stage's in the
+    /// next forward.
+    pub fn add_earlier_loads(&mut self, packed: &[f64]) {
+        self.earlier_loads = packed.to_vec();
+    }
+
+    /// A pipeline stage before the last: the whole model's expert loads of the micro-batch
+    /// (the next stage's [`Model::packed_loads`] in backward), for this stage's backward.
+    pub fn set_loads(&mut self, packed: &[f64]) {
+        unpack_loads(&mut self.loads, packed);
+    }
+
+    /// The expert loads of the last forward as numbers (`ExpertLoad::pack`, sequence after
+    /// sequence): those of this stage and the stages before it.
+    pub fn packed_loads(&self) -> Vec<f64> {
+        let mut out = vec![];
+        self.loads.iter().for_each(|l| l.pack(&mut out));
+        out
     }
 
     /// Visible (query, key) pairs processed by attention forwards since the last call.
@@ -341,6 +366,11 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
         }
         self.scratch_is_last_block = nl > 0;
         self.counts_sequences = gather_loads(&mut self.loads, hooks.sequences);
+        if !self.earlier_loads.is_empty() {
+            let mut earlier = self.loads.clone();
+            unpack_loads(&mut earlier, &std::mem::take(&mut self.earlier_loads));
+            self.loads.iter_mut().zip(&earlier).for_each(|(l, e)| l.merge(e));
+        }
         self.attn_pairs += hooks.attention.visible_pairs(&self.positions) * (b * self.m.heads_local * nl) as u64;
         if !self.m.head {
             return 0.0;
@@ -542,12 +572,18 @@ fn gather_loads(loads: &mut [ExpertLoad], sequences: &dyn hooks::SequenceShards)
         let mut packed = vec![];
         loads.iter().for_each(|l| l.pack(&mut packed));
         sequences.sum(&mut packed);
-        let mut rest = packed.as_slice();
-        for l in loads.iter_mut() {
-            rest = l.unpack(rest);
-        }
+        unpack_loads(loads, &packed);
     }
     sequences.counts()
+}
+
+/// Loads from what `ExpertLoad::pack` wrote for each of them, in order.
+fn unpack_loads(loads: &mut [ExpertLoad], packed: &[f64]) {
+    let mut rest = packed;
+    for l in loads.iter_mut() {
+        rest = l.unpack(rest);
+    }
+    debug_assert!(rest.is_empty(), "one packed load per sequence");
 }
 
 /// Zero bubble's weight-gradient operands of one micro-batch's backward on one model piece:

@@ -148,7 +148,10 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         // The residual stream's rows on this rank: what travels between stages.
         let message_len = tp.local_rows(shape.micro_batch * shape.seq_len / mesh.cp.size()) * dims.d;
         let schedule = (p.pp_schedule, res.grad_accum);
-        let pipeline = Executor::new(be, (&dims, chunks), tcfg.activation_checkpointing, schedule, &mesh.pp, message_len);
+        // A mixture of experts' loads follow each message: per sequence E counts, E sums and
+        // the rows, each f64 as two f32.
+        let loads_len = dims.moe.as_ref().map_or(0, |e| 2 * shape.micro_batch * (2 * e.router.experts + 1));
+        let pipeline = Executor::new(be, (&dims, chunks), tcfg.activation_checkpointing, schedule, &mesh.pp, (message_len, loads_len));
         Ok(Trainer {
             pipeline,
             state,

@@ -3,7 +3,7 @@
 ``generate.py`` checks the library's model and optimiser on one micro-batch per step; this
 script makes what the *binary* is checked against: a few optimiser steps over a token file,
 each over a global batch that ndtrain splits into micro-batches (gradient accumulation) and
-over ranks. Written to ``<out>`` (default ``tests/reference/data/loop``):
+over ranks. Written to ``<out>`` (default ``tests/reference/data/loop``; ``--moe``: see below):
 
 * ``config.json``, ``model.safetensors``, ``generation_config.json``: the initial model, an
   untied ``LlamaForCausalLM`` built by ``generate.py``'s ``build()`` (same ``MODEL`` shape and
@@ -32,9 +32,32 @@ The f64 run (``.double()`` inside ``generate.py``'s ``pure_f64()``) has no f32 r
 difference of the f32 run from it is PyTorch's own rounding noise over these steps, which
 ``tests/reference_train.rs`` uses to judge ndtrain's.
 
-Run from the repository root (a few seconds):
+Mixture of experts (``--moe``, default ``<out>`` ``tests/reference/data/loop_moe``): the same
+files for a ``MixtralForCausalLM`` of the same shape and vocabulary (``MOE_CASE``: generate.py's
+``mixtral`` case with ``VOCAB``; 8 experts of FFN width 48 (``intermediate_size``), top-2,
+``router_aux_loss_coef`` 0.1, ``router_jitter_noise`` 0, eager attention and experts), built by
+``build()`` from its own seed ``MOE_SEED`` and written by ``save_pretrained`` (legacy per-expert
+names ``block_sparse_moe.experts.J.w1/w2/w3`` and ``block_sparse_moe.gate``, checked by
+``generate.check_saved_names()``). ``tokens.bin`` is byte-identical to the dense loop's (the
+tokens are drawn from the same generator state). Steps, G, S, schedule and optimiser as above;
+weight decay covers every tensor of ndim >= 2 (the fused [E, out, in] experts too). The objective
+is ndtrain's: cross entropy averaged over all G·S targets plus ``router_aux_loss_coef`` times the
+mean over the G sequences of each sequence's own load-balancing loss (``out.aux_loss`` of a
+forward of that sequence alone), computed as G micro-batches of one sequence
+(``generate.moe_loss_backward()``: backward of ``(CE_mean(q) + coef·aux_q) / G``).
+``losses.json`` has the dense keys, ``loss`` being the cross entropy alone (as ``metrics.csv``
+logs it), plus per step ``aux_loss`` (mean over the batch's sequences, before the update) in
+``f32`` and ``f64``, ``model_seed``, ``experts_implementation`` and a ``moe`` block (experts, top_k,
+moe_intermediate_size, norm_topk_prob, router_aux_loss_coef, ...; ``min_topk_prob_margin``: the
+smallest gap between a token's 2nd and 3rd router probability over every training forward, f32
+and f64). The f64 run's ``pure_f64()`` also keeps the router softmax and the load-balancing loss
+in f64. Before training, ``generate.check_hf_moe_loss()`` asserts on the first batch that
+transformers' own loss is ``CE + coef · out.aux_loss`` per sequence (f32 and f64).
 
-    /opt/refvenv/bin/python tests/reference/generate_loop.py
+Run from the repository root (a few seconds each):
+
+    /opt/refvenv/bin/python tests/reference/generate_loop.py          # data/loop
+    /opt/refvenv/bin/python tests/reference/generate_loop.py --moe    # data/loop_moe
 """
 
 import argparse
@@ -73,6 +96,23 @@ OPTIM = dict(
     weight_decay=0.1,  # 2-D weights (incl. embeddings); norm weights get 0.0
     grad_clip=0.5,  # below every step's pre-clip norm (asserted), so clipping is exercised
 )
+# --moe: a MixtralForCausalLM of the same shape (generate.py's ``mixtral`` case with VOCAB), its
+# initial weights from MOE_SEED; its tokens are the dense loop's (SEED), so tokens.bin is the same.
+# MOE_SEED was picked among 20240603 .. 20240619 for the widest gap between a token's 2nd and 3rd
+# router probability (5.8e-5 over every forward, f32 and f64) relative to PyTorch's own f32-vs-f64
+# difference of those probabilities (2.1e-6), so that no routing decision is near a tie.
+MOE_SEED = 20240617
+MOE_CASE = dict(
+    arch="mixtral",  # generate.build(): eager attention, experts_implementation="eager", no sliding window
+    vocab_size=VOCAB,
+    tie_word_embeddings=False,
+    intermediate_size=48,  # one expert's FFN width
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.1,
+    output_router_logits=True,
+    router_jitter_noise=0.0,
+)
 BIN_MAGIC = 20240520
 BIN_VERSION = 1
 BIN_HEADER_INTS = 256
@@ -110,10 +150,13 @@ def write_bin(path: str, tokens: torch.Tensor) -> None:
         f.write(tokens.numpy().astype("<u2").tobytes())
 
 
-def train(model, samples: torch.Tensor, label: str):
-    """STEPS AdamW steps, step t on samples[t·G : t·G + G]; each step's loss, pre-clip norm, LR."""
-    decay = [p for p in model.parameters() if p.ndim == 2]
-    no_decay = [p for p in model.parameters() if p.ndim != 2]
+def train(model, samples: torch.Tensor, label: str, coef: float | None = None):
+    """STEPS AdamW steps, step t on samples[t·G : t·G + G]; each step's loss, pre-clip norm, LR,
+    and (MoE objective when coef is set, else empty) the step's aux loss, mean over its G sequences."""
+    # ndim >= 2: every matrix, including Mixtral's fused [E, out, in] experts (the dense model
+    # has no tensor of ndim > 2, so its groups are the 2-D weights and the norms as before).
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": OPTIM["weight_decay"]},
@@ -125,12 +168,18 @@ def train(model, samples: torch.Tensor, label: str):
         foreach=False,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    losses, norms, lrs = [], [], []
+    losses, norms, lrs, auxs = [], [], [], []
     for s in range(STEPS):
         batch = samples[s * GLOBAL_BATCH : (s + 1) * GLOBAL_BATCH]  # [G, S+1]
         opt.zero_grad(set_to_none=True)
-        _, loss = generate.mean_loss(model, batch)  # mean over the G·S targets
-        loss.backward()
+        if coef is None:
+            _, loss = generate.mean_loss(model, batch)  # mean over the G·S targets
+            loss.backward()
+        else:
+            # G micro-batches of one sequence: backward of (CE_mean(q) + coef·aux_q) / G each;
+            # loss is the CE part (mean over the G·S targets), aux the G per-sequence aux losses.
+            loss, aux = generate.moe_loss_backward(model, batch, coef)
+            auxs.append(aux.mean().item())
         norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), OPTIM["grad_clip"])
         assert norm.item() > OPTIM["grad_clip"], f"[{label}] step {s}: norm {norm.item()} does not clip"
         lrs.append(opt.param_groups[0]["lr"])
@@ -138,15 +187,20 @@ def train(model, samples: torch.Tensor, label: str):
         sched.step()
         losses.append(loss.item())
         norms.append(norm.item())
-        print(f"[{label}] step {s}: loss {loss.item():.12f}  grad_norm {norm.item():.9f}  lr {lrs[-1]:.6e}")
-    return losses, norms, lrs
+        extra = f"  aux {auxs[-1]:.12f}" if auxs else ""
+        print(f"[{label}] step {s}: loss {loss.item():.12f}{extra}  grad_norm {norm.item():.9f}  lr {lrs[-1]:.6e}")
+    return losses, norms, lrs, auxs
 
 
 def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(here, "data", "loop"))
+    ap.add_argument("--moe", action="store_true",
+                    help="the MixtralForCausalLM variant (default out: data/loop_moe)")
+    ap.add_argument("--out", help="output folder (default data/loop, with --moe data/loop_moe)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = os.path.join(here, "data", "loop_moe" if args.moe else "loop")
 
     torch.set_num_threads(1)  # one summation order, independent of the machine's core count
     torch.use_deterministic_algorithms(True)
@@ -154,8 +208,15 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(SEED)
     case = dict(vocab_size=VOCAB, tie_word_embeddings=False)
-    model = generate.build(case, gen)
+    model = generate.build(case, gen)  # with --moe only to draw the tokens below from the same gen
+    coef = None
+    if args.moe:
+        case = MOE_CASE
+        coef = case["router_aux_loss_coef"]
+        model = generate.build(case, torch.Generator().manual_seed(MOE_SEED))
     generate.save_model(model, args.out)
+    if args.moe:
+        generate.check_saved_names(model, case["arch"], args.out)  # legacy per-expert names
     initial = copy.deepcopy(model)
 
     n_samples = STEPS * GLOBAL_BATCH
@@ -164,14 +225,25 @@ def main() -> None:
     write_bin(os.path.join(args.out, "tokens.bin"), tokens)
     samples = torch.stack([tokens[k * SEQ : k * SEQ + SEQ + 1] for k in range(n_samples)])
 
-    losses, norms, lrs = train(model, samples, "f32")
+    if args.moe:
+        # transformers' own loss (CE + coef · out.aux_loss) per sequence of the first batch.
+        generate.check_hf_moe_loss(model, samples[:GLOBAL_BATCH], coef, "f32")
+        generate.TOPK_MARGIN["min"] = math.inf  # tracked over every training forward, f32 and f64
+    losses, norms, lrs, auxs = train(model, samples, "f32", coef)
     m64 = initial.double()
     with generate.pure_f64():
-        losses64, norms64, lrs64 = train(m64, samples, "f64")
+        if args.moe:
+            generate.check_hf_moe_loss(m64, samples[:GLOBAL_BATCH], coef, "f64")
+        losses64, norms64, lrs64, auxs64 = train(m64, samples, "f64", coef)
     assert lrs64 == lrs
+    # Step 0 starts from the same weights: f32 and f64 may differ by rounding only.
+    assert abs(losses64[0] - losses[0]) < 1e-5 * losses64[0], "pure_f64() broke the model"
+    if args.moe:
+        assert abs(auxs64[0] - auxs[0]) < 1e-5 * auxs64[0], "pure_f64() broke the router"
 
     meta = dict(
-        generator="tests/reference/generate_loop.py (model construction from tests/reference/generate.py)",
+        generator=("tests/reference/generate_loop.py" + (" --moe" if args.moe else "")
+                   + " (model construction from tests/reference/generate.py)"),
         date=datetime.date.today().isoformat(),
         python=platform.python_version(),
         torch=torch.__version__,
@@ -179,10 +251,12 @@ def main() -> None:
         safetensors=safetensors.__version__,
         numpy=np.__version__,
         seed=SEED,
+        **(dict(model_seed=MOE_SEED) if args.moe else {}),
         device="cpu",
         machine=platform.machine(),
         torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
         attn_implementation="eager",
+        **(dict(experts_implementation="eager") if args.moe else {}),
         torch_threads=1,
         init=dict(weight_std=generate.WEIGHT_STD, norm_std=generate.NORM_STD),
         model=dict(generate.MODEL, **case),
@@ -199,11 +273,34 @@ def main() -> None:
         f32=dict(loss=losses, grad_norm=norms, lr=lrs),
         f64=dict(loss=losses64, grad_norm=norms64, lr=lrs64),
     )
+    if args.moe:
+        meta["moe"] = dict(
+            experts=case["num_local_experts"],
+            top_k=case["num_experts_per_tok"],
+            moe_intermediate_size=case["intermediate_size"],
+            norm_topk_prob=True,  # Mixtral always renormalises the top-k gate weights
+            router_aux_loss_coef=coef,
+            router_jitter_noise=case["router_jitter_noise"],
+            micro_batch_sequences=1,
+            objective=("CE mean over all G·S targets + router_aux_loss_coef · mean over the G "
+                       "sequences of each sequence's own aux loss (out.aux_loss of that sequence alone)"),
+            saved_block=generate.SAVED_MOE[case["arch"]][0],
+            saved_expert_names=generate.SAVED_MOE[case["arch"]][1],
+            min_topk_prob_margin=generate.TOPK_MARGIN["min"],
+        )
+        # loss stays the cross entropy alone (as metrics.csv's loss); aux_loss the step's mean.
+        meta["f32"]["aux_loss"] = auxs
+        meta["f64"]["aux_loss"] = auxs64
     with open(os.path.join(args.out, "losses.json"), "w") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
     worst = max(abs(a - b) for a, b in zip(losses, losses64))
     print(f"f32 vs f64 (PyTorch): max |Δloss| {worst:.3e}")
+    if args.moe:
+        worst_aux = max(abs(a - b) for a, b in zip(auxs, auxs64))
+        worst_norm = max(abs(a - b) / b for a, b in zip(norms, norms64))
+        print(f"f32 vs f64 (PyTorch): max |Δaux| {worst_aux:.3e}, max rel Δgrad_norm {worst_norm:.3e}, "
+              f"min top-k margin {generate.TOPK_MARGIN['min']:.3e}")
     total = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
     print(f"wrote {args.out} ({total / 1e3:.0f} KB)")
 

@@ -114,19 +114,25 @@ pub struct Executor<'g, B: Backend<f32>> {
     received: B::Buf,
     /// Elements of an activation between stages (this rank's rows of the residual stream).
     message_len: usize,
+    /// A mixture of experts: elements of the expert loads that travel after each activation
+    /// and gradient (each f64 as two f32, [`f64_pairs`]); 0 without experts.
+    loads_len: usize,
+    /// The loads received with [`Self::received`].
+    received_loads: Vec<f32>,
 }
 
 impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
     /// The executor of this rank's `chunks` (the stage pieces of the rank's model `dims`) under
     /// `schedule` with `micro_batches` per step, exchanging `message_len` elements per
-    /// activation with its neighbours in the pipeline group `pp`.
+    /// activation (and `loads_len` of expert loads after it) with its neighbours in the
+    /// pipeline group `pp`.
     pub fn new(
         be: B,
         (dims, chunks): (&Dims, Vec<Chunk>),
         ckpt: ActCkpt,
         (schedule, micro_batches): (PpSchedule, usize),
         pp: &'g Group,
-        message_len: usize,
+        (message_len, loads_len): (usize, usize),
     ) -> Self {
         let (rank, v) = (pp.rank(), chunks.len());
         let pp_size = pp.size();
@@ -148,6 +154,8 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             ckpt,
             be,
             message_len,
+            loads_len,
+            received_loads: vec![],
         }
     }
 
@@ -251,7 +259,7 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
     fn post_receive(&mut self, action: Action) {
         let dir = direction(action);
         if self.neighbours(action).0 && !self.comm.posted(action.chunk(), dir) {
-            self.comm.post_recv(action.chunk(), dir, self.message_len);
+            self.comm.post_recv(action.chunk(), dir, self.message_len + self.loads_len);
         }
     }
 
@@ -261,7 +269,7 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             return false;
         }
         self.post_receive(action);
-        self.comm.recv(&self.be, action.chunk(), direction(action), &mut self.received);
+        self.comm.recv(&self.be, action.chunk(), direction(action), &mut self.received, &mut self.received_loads, self.loads_len);
         true
     }
 
@@ -318,10 +326,15 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             seq: s_local,
         };
         let offset = self.chunks[step.chunk].offset;
+        if step.input.is_some() && self.loads_len > 0 {
+            // The expert loads of the stages before, completed by this stage's.
+            model.add_earlier_loads(&from_f64_pairs(&self.received_loads));
+        }
         let cross_entropy = model.forward_stage(&mut Offset { inner: params, offset }, &tok, step.hooks, step.input);
         let loss = LossSums { cross_entropy, aux: if self.chunks[step.chunk].head { model.aux_loss_sum() } else { 0.0 } };
         if !self.chunks[step.chunk].head {
-            self.comm.send(&self.be, step.chunk, Direction::Forward, model.stage_output());
+            let loads = self.loads_trailer(&model);
+            self.comm.send(&self.be, step.chunk, Direction::Forward, model.stage_output(), &loads);
         }
         if training {
             self.busy.push(((step.chunk, step.micro), model));
@@ -343,6 +356,10 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
         // Each chunk's last backward completes its units' gradients for the step.
         grads.begin_micro_step(micro + 1 == self.micro_batches);
         let (mut w, mut g) = (Offset { inner: &mut *params, offset }, Offset { inner: grads, offset });
+        if step.input.is_some() && self.loads_len > 0 {
+            // The whole model's loads, back from the last stage.
+            model.set_loads(&from_f64_pairs(&self.received_loads));
+        }
         if self.split_backward {
             let mut work = self.spare_work.pop().unwrap_or_default();
             model.backward_input_stage(&mut w, &mut g, loss_scale, step.hooks, step.input, &mut work);
@@ -352,9 +369,20 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
         }
         params.end_micro_step();
         if !self.chunks[chunk].embed {
-            self.comm.send(&self.be, chunk, Direction::Backward, model.input_grad());
+            let loads = self.loads_trailer(&model);
+            self.comm.send(&self.be, chunk, Direction::Backward, model.input_grad(), &loads);
         }
         self.free[chunk].push(model);
+    }
+
+    /// What travels after a chunk's activation or gradient: its model's expert loads.
+    fn loads_trailer(&self, model: &Model<f32, B>) -> Vec<f32> {
+        if self.loads_len == 0 {
+            return vec![];
+        }
+        let t = to_f64_pairs(&model.packed_loads());
+        debug_assert_eq!(t.len(), self.loads_len);
+        t
     }
 
     fn take_model(&mut self, chunk: usize) -> Model<f32, B> {
@@ -386,6 +414,22 @@ impl std::fmt::Display for Progress {
         };
         write!(f, "micro-batch {} of {}: {what} of chunk {}", self.action.micro() + 1, self.of, self.action.chunk())
     }
+}
+
+/// Each f64 as two f32, `hi = x` rounded and `lo = x − hi` rounded: their sum is `x` to about
+/// 2⁻⁴⁸ relative (integers up to 2⁴⁸ exactly), so f64 statistics travel in the f32 messages.
+fn to_f64_pairs(x: &[f64]) -> Vec<f32> {
+    x.iter()
+        .flat_map(|&v| {
+            let hi = v as f32;
+            [hi, (v - hi as f64) as f32]
+        })
+        .collect()
+}
+
+/// The inverse of [`to_f64_pairs`].
+fn from_f64_pairs(x: &[f32]) -> Vec<f64> {
+    x.chunks_exact(2).map(|p| p[0] as f64 + p[1] as f64).collect()
 }
 
 /// Removes and returns the entry of `key` from `list`.

@@ -157,11 +157,14 @@ impl<'g> PipeComm<'g> {
         b
     }
 
-    /// Sends `data` from chunk `chunk` in direction `dir` (forward: to the next stage).
-    pub fn send<B: Backend<f32>>(&mut self, be: &B, chunk: usize, dir: Direction, data: &B::Buf) {
+    /// Sends `data` from chunk `chunk` in direction `dir` (forward: to the next stage), with
+    /// `trailer` after it in the same message (a mixture of experts' loads; empty without).
+    pub fn send<B: Backend<f32>>(&mut self, be: &B, chunk: usize, dir: Direction, data: &B::Buf, trailer: &[f32]) {
         let (rank, their_chunk) = self.neighbour(chunk, dir);
-        let mut host = self.buffer(be.len(data));
-        be.download(data, &mut host);
+        let n = be.len(data);
+        let mut host = self.buffer(n + trailer.len());
+        be.download(data, &mut host[..n]);
+        host[n..].copy_from_slice(trailer);
         // The receiver matches on its own chunk and the direction of travel.
         let t = self.group.start_send_f32(rank, Self::tag(their_chunk, dir), host);
         self.sends.push_back(t);
@@ -186,13 +189,25 @@ impl<'g> PipeComm<'g> {
         self.recvs.iter().any(|(k, _)| *k == (chunk, dir))
     }
 
-    /// Completes the oldest posted receive of (`chunk`, `dir`) into `out`.
-    pub fn recv<B: Backend<f32>>(&mut self, be: &B, chunk: usize, dir: Direction, out: &mut B::Buf) {
+    /// Completes the oldest posted receive of (`chunk`, `dir`) into `out`, its last
+    /// `trailer_len` elements into `trailer`.
+    pub fn recv<B: Backend<f32>>(
+        &mut self,
+        be: &B,
+        chunk: usize,
+        dir: Direction,
+        out: &mut B::Buf,
+        trailer: &mut Vec<f32>,
+        trailer_len: usize,
+    ) {
         let i = self.recvs.iter().position(|(k, _)| *k == (chunk, dir)).expect("post_recv before recv");
         let (_, t) = self.recvs.remove(i);
         let (_, host) = self.group.wait(t);
-        be.resize(out, host.len());
-        be.upload(out, &host);
+        let n = host.len() - trailer_len;
+        be.resize(out, n);
+        be.upload(out, &host[..n]);
+        trailer.clear();
+        trailer.extend_from_slice(&host[n..]);
         self.spare.push(host);
     }
 

@@ -212,7 +212,10 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
         // gradients; chunks after the first also receive activations and send gradients.
         let v = chunks;
         let rows = tp::residual_rows(tokens, l.tp, deck.parallel.sequence_parallel);
-        let msg = (4 * rows.local * dims.d) as u64;
+        // The activation or gradient, and a mixture of experts' loads after it (per sequence
+        // E counts, E sums and the rows, each f64 as two f32).
+        let loads = dims.moe.as_ref().map_or(0, |e| 8 * deck.train.micro_batch * (2 * e.router.experts + 1));
+        let msg = (4 * rows.local * dims.d + loads) as u64;
         let mut each_way = (res.grad_accum * (2 * v - 1)) as u64 * msg;
         if dims.tie {
             // The embedding's gradient shard, to and from the last stage.
