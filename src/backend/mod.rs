@@ -313,6 +313,45 @@ pub trait Backend<T: Real> {
             }
         }
     }
+    /// Two grouped projections of one input (each expert's gate and up): `y1` with `ws1`, `y2`
+    /// with `ws2`, as [`Backend::linear_fwd_pair`] per group.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_linear_fwd_pair(
+        &self,
+        y1: &mut Self::Buf,
+        ws1: &[&Self::Buf],
+        y2: &mut Self::Buf,
+        ws2: &[&Self::Buf],
+        x: &Self::Buf,
+        offsets: &[usize],
+        n: usize,
+        k: usize,
+    ) where
+        Self: Sized,
+    {
+        self.grouped_linear_fwd(y1, x, ws1, offsets, n, k);
+        self.grouped_linear_fwd(y2, x, ws2, offsets, n, k);
+    }
+    /// Both gradients of [`Backend::grouped_linear_fwd`], as [`Backend::linear_bwd`] per
+    /// group: `dx (=|+=)` per `acc_dx`, `dws[g] +=`.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_linear_bwd(
+        &self,
+        dx: &mut Self::Buf,
+        acc_dx: bool,
+        dws: &mut [&mut Self::Buf],
+        dy: &Self::Buf,
+        x: &Self::Buf,
+        ws: &[&Self::Buf],
+        offsets: &[usize],
+        n: usize,
+        k: usize,
+    ) where
+        Self: Sized,
+    {
+        self.grouped_linear_bwd_weight(dws, dy, x, offsets, n, k, true);
+        self.grouped_linear_bwd_input(dx, dy, ws, offsets, n, k, acc_dx);
+    }
     /// The input gradient of [`Backend::grouped_linear_fwd`]: `dx [M, k] (=|+=)` each group's
     /// `dy · ws[g]`.
     #[allow(clippy::too_many_arguments)]

@@ -242,6 +242,50 @@ impl<T: Real> Backend<T> for Cpu {
         }
     }
 
+    fn grouped_linear_fwd_pair(
+        &self,
+        y1: &mut Vec<T>,
+        ws1: &[&Vec<T>],
+        y2: &mut Vec<T>,
+        ws2: &[&Vec<T>],
+        x: &Vec<T>,
+        offsets: &[usize],
+        n: usize,
+        k: usize,
+    ) {
+        for (g, (w1, w2)) in ws1.iter().zip(ws2).enumerate() {
+            let (r0, r1) = (offsets[g], offsets[g + 1]);
+            if r1 > r0 {
+                let (mut sx, mut s1, mut s2) = (vec![], vec![], vec![]);
+                let (xg, w1, w2) = (self.operand(&x[r0 * k..r1 * k], &mut sx), self.operand(w1, &mut s1), self.operand(w2, &mut s2));
+                linear_fwd_pair(&mut y1[r0 * n..r1 * n], w1, &mut y2[r0 * n..r1 * n], w2, xg, r1 - r0, n, k);
+            }
+        }
+    }
+
+    fn grouped_linear_bwd(
+        &self,
+        dx: &mut Vec<T>,
+        acc_dx: bool,
+        dws: &mut [&mut Vec<T>],
+        dy: &Vec<T>,
+        x: &Vec<T>,
+        ws: &[&Vec<T>],
+        offsets: &[usize],
+        n: usize,
+        k: usize,
+    ) {
+        for (g, (dw, w)) in dws.iter_mut().zip(ws).enumerate() {
+            let (r0, r1) = (offsets[g], offsets[g + 1]);
+            if r1 > r0 {
+                let (mut sd, mut sx, mut sw) = (vec![], vec![], vec![]);
+                let (dyg, xg, wg) =
+                    (self.operand(&dy[r0 * n..r1 * n], &mut sd), self.operand(&x[r0 * k..r1 * k], &mut sx), self.operand(w, &mut sw));
+                linear_bwd(&mut dx[r0 * k..r1 * k], acc_dx, dw, dyg, xg, wg, r1 - r0, n, k);
+            }
+        }
+    }
+
     fn grouped_linear_bwd_input(&self, dx: &mut Vec<T>, dy: &Vec<T>, ws: &[&Vec<T>], offsets: &[usize], n: usize, k: usize, acc: bool) {
         for (g, w) in ws.iter().enumerate() {
             let (r0, r1) = (offsets[g], offsets[g + 1]);
