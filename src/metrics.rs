@@ -145,6 +145,38 @@ impl MetricsCsv {
     }
 }
 
+/// `<out_dir>/expert_load.csv`: a mixture of experts' routing balance, one row per optimiser
+/// step and expert block, written by rank 0: how many of the global batch's choices (tokens
+/// × k) went to the least and the most chosen expert, and the coefficient of variation
+/// (standard deviation over mean) of the choices per expert.
+pub struct ExpertLoadCsv {
+    out: BufWriter<File>,
+    first_dense: usize,
+    experts: usize,
+}
+
+impl ExpertLoadCsv {
+    /// Creates the file (on a resume at step `resumed_at`, keeping the rows up to it) for
+    /// `experts` experts in every block from `first_dense` on.
+    pub fn create(path: &Path, resumed_at: u64, first_dense: usize, experts: usize) -> std::io::Result<Self> {
+        let out = open_log(path, "step,layer,choices,min,max,cv", resumed_at)?;
+        Ok(ExpertLoadCsv { out, first_dense, experts })
+    }
+
+    /// The rows of step `step` from its global counts `[moe blocks × E]`.
+    pub fn append(&mut self, step: u64, counts: &[u64]) -> std::io::Result<()> {
+        for (i, c) in counts.chunks(self.experts).enumerate() {
+            let total: u64 = c.iter().sum();
+            let mean = total as f64 / c.len() as f64;
+            let var = c.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / c.len() as f64;
+            let cv = if mean > 0.0 { var.sqrt() / mean } else { 0.0 };
+            let (min, max) = (c.iter().min().copied().unwrap_or(0), c.iter().max().copied().unwrap_or(0));
+            writeln!(self.out, "{step},{},{total},{min},{max},{cv:.6e}", self.first_dense + i)?;
+        }
+        self.out.flush()
+    }
+}
+
 /// The phases a step's wall time is split into.
 /// `comm` is the gradient traffic after the last backward (the outer all-reduce, norms, the
 /// loss); `wait` the step's synchronisation points (the token count before the first forward,

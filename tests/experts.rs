@@ -46,6 +46,26 @@ fn every_data_parallel_layout_of_experts_matches_one_rank() {
     assert_layouts_match_with(dir.path(), EXPERTS, &base, layouts);
     let aux_hsdp = column(&dir.path().join("HSDP_2x2"), "aux_loss");
     assert_losses_within("HSDP=2x2 aux_loss", &aux_one, &aux_hsdp, LOSS_TOL);
+    // The routing log: per step and expert block the global batch's 16 × 64 tokens × top-2
+    // choices, counted over every rank; the first step's (same weights) equal on every layout.
+    let load_one = expert_load(&dir.path().join("one"));
+    assert_eq!(load_one.len(), 2 * base.0.len(), "a row per step and expert block");
+    for row in &load_one {
+        let (choices, min, max) = (row[2], row[3], row[4]);
+        assert!(choices == 2048.0 && min <= choices / 8.0 && max >= choices / 8.0 && row[5] >= 0.0, "{row:?}");
+    }
+    for layout in ["DP_2", "HSDP_2x2", "CP_2_x_TP_2_SP"] {
+        let other = expert_load(&dir.path().join(layout));
+        assert_eq!(other[..2], load_one[..2], "{layout}: the first step's expert load");
+    }
+}
+
+/// The rows of `expert_load.csv` (step, layer, choices, min, max, cv).
+fn expert_load(out: &Path) -> Vec<Vec<f64>> {
+    let text = std::fs::read_to_string(out.join("expert_load.csv")).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("step,layer,choices,min,max,cv"));
+    lines.map(|l| l.split(',').map(|v| v.parse().unwrap()).collect()).collect()
 }
 
 /// A Qwen3-MoE-shaped model (q/k norm, no top-k renormalisation) with a dense first block

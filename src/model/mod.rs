@@ -92,6 +92,9 @@ pub struct Model<T: Real, B: Backend<T> = Cpu> {
     /// A pipeline stage after the first: the loads of the stages before it, for the next
     /// forward ([`Model::add_earlier_loads`]).
     earlier_loads: Vec<f64>,
+    /// Per block this rank holds: how many of this rank's rows chose each expert in the last
+    /// forward (empty for a dense block).
+    block_counts: Vec<Vec<u64>>,
     _t: std::marker::PhantomData<T>,
 }
 
@@ -152,6 +155,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             aux_grads: vec![],
             counts_sequences: true,
             earlier_loads: vec![],
+            block_counts: vec![],
             _t: std::marker::PhantomData,
         }
     }
@@ -229,6 +233,12 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             return 0.0;
         }
         self.loads.iter().map(ExpertLoad::aux_loss).sum()
+    }
+
+    /// Per block this rank holds (in `Dims::layer_ids` order): how many of this rank's rows
+    /// chose each expert in the last forward; empty for a dense block.
+    pub fn block_expert_counts(&self) -> &[Vec<u64>] {
+        &self.block_counts
     }
 
     /// The expert load of each sequence of the last forward.
@@ -320,6 +330,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             Some(e) => vec![ExpertLoad::new(e.router.experts); b],
             None => vec![],
         };
+        self.block_counts = vec![vec![]; nl];
 
         // Vocab-parallel embedding: rows this rank holds, zero elsewhere, summed across tp
         // (into this rank's rows of the residual stream).
@@ -354,6 +365,9 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             if let Some(e) = self.m.moe.as_ref().filter(|_| self.m.moe_layer(self.m.layer_ids[l])) {
                 let acts = if self.ckpt == ActCkpt::Full { &self.scratch } else { &self.saved[l] };
                 let rows = first_row..first_row + tp.local_rows(b * s);
+                let mut block = ExpertLoad::new(e.router.experts);
+                acts.routed.add_load(e, &mut block, 0, rows.len());
+                self.block_counts[l] = block.counts;
                 for (q, load) in self.loads.iter_mut().enumerate() {
                     // This rank's rows of sequence q (all of them, or a part under SP).
                     let (lo, hi) = ((q * s).max(rows.start), ((q + 1) * s).min(rows.end));

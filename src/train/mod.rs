@@ -17,7 +17,7 @@ use crate::backend::Backend;
 use crate::config::Resolved;
 use crate::io::checkpoint as ckpt;
 use crate::metrics::{
-    fmt_duration, rss_bytes, CheckpointIoLog, MemoryStats, MetricsCsv, Phase, PhaseTimes, StepRecord, StepTiming, TimingLog,
+    fmt_duration, rss_bytes, CheckpointIoLog, ExpertLoadCsv, MemoryStats, MetricsCsv, Phase, PhaseTimes, StepRecord, StepTiming, TimingLog,
 };
 use crate::parallel::collective::MeshCollectives;
 use crate::parallel::comm::CommCount;
@@ -120,6 +120,8 @@ struct Checkpoints {
 /// at least every `CONSOLE_EVERY_S`).
 struct Logs {
     metrics: Option<MetricsCsv>,
+    /// Rank 0, with experts.
+    expert_load: Option<ExpertLoadCsv>,
     timing: TimingLog,
     last_log_s: f64,
     last_line: Instant,
@@ -205,6 +207,10 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         summary::warn_if_data_wraps(res, trainer.data.loader.samples_per_epoch());
 
         let metrics = rank0.then(|| MetricsCsv::create(&out_dir.join("metrics.csv"), first_step)).transpose()?;
+        let m = &deck.model;
+        let expert_load = (rank0 && m.is_moe())
+            .then(|| ExpertLoadCsv::create(&out_dir.join("expert_load.csv"), first_step, m.first_dense_layers, m.n_experts))
+            .transpose()?;
         let timing = TimingLog::create(&out_dir.join("timing"), mesh.world.rank(), first_step, rss_before_load)?;
         let flops_per_token = crate::metrics::flops_per_token(&deck.model, deck.train.seq_len);
         summary::say_model(res, trainer.backend().describe(), &peak, flops_per_token);
@@ -222,7 +228,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             stop: StopPolicy::new(&deck.run, first_step),
             preempted: false,
             ckpt: Checkpoints { dir: ckpt_dir, log: ckpt_log, written: vec![] },
-            logs: Logs { metrics, timing, last_log_s: 0.0, last_line: Instant::now() },
+            logs: Logs { metrics, expert_load, timing, last_log_s: 0.0, last_line: Instant::now() },
             history: History { losses: Vec::with_capacity(steps as usize), ..Default::default() },
             pace: Pace { start: Instant::now(), first_step_end_s: None },
             rates: Rates { flops_per_token, peak: peak.flops },
@@ -322,6 +328,9 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         };
         if let Some(m) = self.logs.metrics.as_mut() {
             m.append(&rec)?;
+        }
+        if let Some(e) = self.logs.expert_load.as_mut() {
+            e.append(s1, &out.expert_counts)?;
         }
         // Every `log.every` steps, and the first step of the job, the last, a stop, and at
         // least every few minutes of a slow run.

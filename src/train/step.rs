@@ -29,12 +29,15 @@ use std::time::Instant;
 mod evaluate;
 
 /// What one step computed.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct StepOutcome {
     /// The global-batch loss, before the update.
     pub loss: f64,
     /// A mixture of experts' auxiliary loss: the mean over the global batch's sequences.
     pub aux_loss: Option<f64>,
+    /// A mixture of experts: the step's choices of the whole global batch per expert block and
+    /// expert (`[moe blocks × E]`), the same on every rank; empty without experts.
+    pub expert_counts: Vec<u64>,
     /// The global gradient norm, before clipping.
     pub grad_norm: f64,
     pub lr: f64,
@@ -196,6 +199,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         self.state.grads.zero();
         pt[Phase::Backward] += start.elapsed().as_secs_f64();
         let (sums, n_tok) = self.micro_steps(step, &mut pt)?;
+        let expert_counts = self.global_expert_counts();
         let (loss, aux, grad_norm) = self.reduce(step, sums, n_tok, &mut pt)?;
         // Every sequence has seq_len targets: the batch holds n_tok / seq_len of them.
         let aux_loss = aux.map(|a| a * self.shape.seq_len as f64 / n_tok);
@@ -211,7 +215,27 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         self.synchronize(step + 1)?;
         self.par.comms.settle();
         pt[Phase::Optimizer] += t_opt.elapsed().as_secs_f64();
-        Ok(StepOutcome { loss, aux_loss, grad_norm, lr, updated, phases: pt })
+        Ok(StepOutcome { loss, aux_loss, expert_counts, grad_norm, lr, updated, phases: pt })
+    }
+
+    /// The step's expert choices over every rank: summed over the data-parallel ranks, `cp`,
+    /// `pp` (each stage fills its own blocks) and, under sequence parallelism, `tp` (without,
+    /// every tp rank routes the same rows). Integers, exact in f64.
+    fn global_expert_counts(&mut self) -> Vec<u64> {
+        let local = self.pipeline.take_expert_counts();
+        if !self.moe {
+            return local;
+        }
+        let mesh = self.par.mesh;
+        let mut x: Vec<f64> = local.iter().map(|&c| c as f64).collect();
+        let mut groups = vec![&mesh.batch, &mesh.cp, &mesh.pp];
+        if self.par.tp.sequence_parallel {
+            groups.push(&mesh.tp);
+        }
+        for g in groups.into_iter().filter(|g| g.size() > 1) {
+            g.all_reduce_sum_f64(&mut x);
+        }
+        x.into_iter().map(|c| c as u64).collect()
     }
 
     /// The backend of this rank's model.

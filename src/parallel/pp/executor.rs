@@ -119,6 +119,9 @@ pub struct Executor<'g, B: Backend<f32>> {
     loads_len: usize,
     /// The loads received with [`Self::received`].
     received_loads: Vec<f32>,
+    /// A mixture of experts: this step's choices of this rank's rows, per expert block of the
+    /// model (`Dims::moe_layers` of them, in model order) and expert; empty without experts.
+    expert_counts: Vec<u64>,
 }
 
 impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
@@ -156,6 +159,7 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             message_len,
             loads_len,
             received_loads: vec![],
+            expert_counts: vec![],
         }
     }
 
@@ -337,6 +341,7 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             self.comm.send(&self.be, step.chunk, Direction::Forward, model.stage_output(), &loads);
         }
         if training {
+            self.count_choices(step.chunk, &model);
             self.busy.push(((step.chunk, step.micro), model));
         } else {
             params.end_micro_step();
@@ -373,6 +378,27 @@ impl<'g, B: Backend<f32> + Clone> Executor<'g, B> {
             self.comm.send(&self.be, chunk, Direction::Backward, model.input_grad(), &loads);
         }
         self.free[chunk].push(model);
+    }
+
+    /// Adds a training forward's expert choices to the step's.
+    fn count_choices(&mut self, chunk: usize, model: &Model<f32, B>) {
+        let dims = &self.dims[chunk];
+        let Some(e) = dims.moe.as_ref() else { return };
+        let experts = e.router.experts;
+        self.expert_counts.resize(dims.moe_layers() * experts, 0);
+        for (&id, counts) in dims.layer_ids.iter().zip(model.block_expert_counts()) {
+            // The expert blocks are the last ones: block `id` is the (id − first_dense)-th.
+            if !counts.is_empty() {
+                let at = (id - e.first_dense) * experts;
+                self.expert_counts[at..at + experts].iter_mut().zip(counts).for_each(|(a, c)| *a += c);
+            }
+        }
+    }
+
+    /// This step's expert choices of this rank's rows (see `expert_counts`), reset for the
+    /// next.
+    pub fn take_expert_counts(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.expert_counts)
     }
 
     /// What travels after a chunk's activation or gradient: its model's expert loads.

@@ -243,6 +243,17 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
         if l.cp > 1 {
             *out.entry("cp.all_reduce".into()).or_default() += loads;
         }
+        // Once per step, the choices per expert block and expert (f64), summed over every
+        // rank that routed other rows (the expert-load log).
+        let counts = (8 * (0..deck.model.n_layers).filter(|&b| deck.model.moe_layer(b)).count() * deck.model.n_experts) as u64;
+        let batch = l.dp_replicate * l.dp_shard > 1;
+        for (key, on) in
+            [("batch.all_reduce", batch), ("cp.all_reduce", l.cp > 1), ("pp.all_reduce", l.pp > 1), ("tp.all_reduce", l.tp > 1 && sp)]
+        {
+            if on {
+                *out.entry(key.into()).or_default() += counts;
+            }
+        }
     }
     out
 }
