@@ -163,3 +163,38 @@ fn a_checkpoint_of_experts_resumes_on_other_layouts() {
         assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
     }
 }
+
+/// Balancing without an auxiliary loss (a selection bias moved after each step by the global
+/// expert counts): the same on every layout, and restored from checkpoints so that a resumed
+/// run continues bit for bit.
+#[test]
+fn bias_balancing_is_the_same_on_every_layout_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let bias: &[&str] = &["model.router_aux_loss_coef=0", "model.router_bias_update_rate=0.01"];
+    let base = train(d, "one", 1, bias);
+    let load = expert_load(&d.join("one"));
+    // The bias changes the choices (from step 2 on: step 1 routes with a zero bias).
+    train(d, "no_bias", 1, &["model.router_aux_loss_coef=0"]);
+    let plain = expert_load(&d.join("no_bias"));
+    assert_eq!(plain[..2], load[..2], "step 1 routes without a bias either way");
+    assert_ne!(plain, load, "the bias moves the choices");
+    for (name, ranks, layout) in [
+        ("dp2", 2, &["parallel.dp_replicate=2", "parallel.dp_shard=1"][..]),
+        ("cp2_tp2_sp", 4, &["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"][..]),
+        ("pp2_fsdp2", 4, &["parallel.pp=2", "parallel.dp_shard=2"][..]),
+    ] {
+        let mut extra = bias.to_vec();
+        extra.extend_from_slice(layout);
+        let l = train(d, name, ranks, &extra);
+        assert_losses_within(name, &base, &l, LOSS_TOL);
+        assert_eq!(expert_load(&d.join(name)), load, "{name}: the same choices every step");
+    }
+    // Without the bias restored the routing of steps 4..6 would change.
+    let resume = format!("checkpoint.resume=\"{}\"", ckpt(d, "one", 3).display());
+    let mut extra = bias.to_vec();
+    extra.push(&resume);
+    let (s, _) = train_losses(d, "resumed", &tiny_deck(), None, &[pipeline_sets(), extra].concat());
+    let (whole, _) = losses(&d.join("one"));
+    assert_eq!(s, whole[3..], "resumed at step 3: steps 4..6 bit for bit");
+}

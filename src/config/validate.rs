@@ -329,13 +329,7 @@ impl Deck {
             err(format!("[model] first_dense_layers({}) exceeds n_layers({})", m.first_dense_layers, m.n_layers))
         })?;
         non_negative_finite("model", "router_aux_loss_coef", m.router_aux_loss_coef)?;
-        need(m.router_bias_update_rate == 0.0, || {
-            err(format!(
-                "[model] router_bias_update_rate = {}, but balancing by a selection bias is not trained yet",
-                num(m.router_bias_update_rate)
-            ))
-            .with_hint("set router_bias_update_rate = 0 and balance with router_aux_loss_coef")
-        })
+        non_negative_finite("model", "router_bias_update_rate", m.router_bias_update_rate)
     }
 
     fn check_parallel(&self) -> Result<(), ConfigError> {

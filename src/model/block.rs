@@ -47,6 +47,7 @@ impl<T: Real, B: Backend<T>> BlockCtx<'_, T, B> {
 pub(super) fn block_fwd<T: Real, B: Backend<T>>(
     ctx: &BlockCtx<T, B>,
     w: &Layer<B::Buf>,
+    layer: usize,
     a: &mut BlockActs<B::Buf>,
     g: &mut BlockGrads<B::Buf>,
     out: Option<&mut B::Buf>,
@@ -87,7 +88,7 @@ pub(super) fn block_fwd<T: Real, B: Backend<T>>(
     be.rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, m.norm_eps);
     if let Some(experts) = &w.moe {
         let mut out = out;
-        moe_fwd(ctx, experts, a, g, out.as_deref_mut());
+        moe_fwd(ctx, experts, layer, a, g, out.as_deref_mut());
         if let Some(out) = out {
             be.add_assign(out, &a.x1);
         }

@@ -152,6 +152,9 @@ pub struct Hooks<'a, T: Real, B: Backend<T>> {
     pub tp: &'a dyn TensorParallel<B::Buf>,
     pub attention: &'a dyn AttentionSchedule<T, B>,
     pub sequences: &'a dyn SequenceShards,
+    /// Balancing without an auxiliary loss: each expert block's selection bias `[E]`, by its
+    /// index among the expert blocks (empty: no bias).
+    pub router_bias: &'a [Vec<f64>],
     /// Called between the large pieces of a block's compute, so communication started outside
     /// the model (the next block's all-gather, the last block's gradient reduction) moves while
     /// it computes: MPI progresses non-blocking operations only inside its calls.
@@ -172,7 +175,7 @@ pub fn no_progress() {}
 impl<T: Real, B: Backend<T>> Hooks<'static, T, B> {
     /// One rank: every hook is the identity or the local kernel.
     pub fn one_rank() -> Self {
-        Hooks { tp: &OneRank, attention: &LocalAttention, sequences: &WholeSequences, progress: no_progress }
+        Hooks { tp: &OneRank, attention: &LocalAttention, sequences: &WholeSequences, router_bias: &[], progress: no_progress }
     }
 }
 

@@ -350,15 +350,15 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
                 None => &mut self.x_final,
             };
             match self.ckpt {
-                ActCkpt::None => block_fwd(&ctx, w.block(l), saved_l, &mut self.grads, Some(out)),
+                ActCkpt::None => block_fwd(&ctx, w.block(l), self.m.layer_ids[l], saved_l, &mut self.grads, Some(out)),
                 ActCkpt::Full => {
                     be.copy(&mut self.scratch.x, &saved_l.x);
-                    block_fwd(&ctx, w.block(l), &mut self.scratch, &mut self.grads, Some(out));
+                    block_fwd(&ctx, w.block(l), self.m.layer_ids[l], &mut self.scratch, &mut self.grads, Some(out));
                 }
                 ActCkpt::Selective => {
                     // The cheap outputs are written into the scratch and not kept.
                     saved_l.swap_cheap(&mut self.scratch);
-                    block_fwd(&ctx, w.block(l), saved_l, &mut self.grads, Some(out));
+                    block_fwd(&ctx, w.block(l), self.m.layer_ids[l], saved_l, &mut self.grads, Some(out));
                     saved_l.swap_cheap(&mut self.scratch);
                 }
             }
@@ -538,7 +538,7 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
                     // The block again from its saved input, with the forward's own code.
                     if recompute {
                         be.copy(&mut self.scratch.x, &self.saved[l].x);
-                        block_fwd(&ctx, wl, &mut self.scratch, &mut self.grads, None);
+                        block_fwd(&ctx, wl, self.m.layer_ids[l], &mut self.scratch, &mut self.grads, None);
                     }
                     &self.scratch
                 }

@@ -72,18 +72,31 @@ impl RoutedRows {
     }
 }
 
-/// The routing of rows `x [N, D]` by the router `w [E, D]`; `logits [N, E]` is scratch.
-fn route_rows<T: Real, B: Backend<T>>(be: &B, e: &MoeDims, logits: &mut B::Buf, x: &B::Buf, w: &B::Buf, n: usize, d: usize) -> RoutedRows {
+/// The routing of rows `x [N, D]` by the router `w [E, D]` (with the selection bias `bias`);
+/// `logits [N, E]` is scratch.
+#[allow(clippy::too_many_arguments)]
+fn route_rows<T: Real, B: Backend<T>>(
+    be: &B,
+    e: &MoeDims,
+    logits: &mut B::Buf,
+    x: &B::Buf,
+    w: &B::Buf,
+    n: usize,
+    d: usize,
+    bias: Option<&[f64]>,
+) -> RoutedRows {
     be.linear_fwd(logits, x, w, n, e.router.experts, d, false);
     let z: Vec<f64> = with_host(be, &[&*logits], |v| v[0][..n * e.router.experts].iter().map(|x| x.to_f64()).collect());
-    RoutedRows::new(e, route(e.router, &z, None))
+    RoutedRows::new(e, route(e.router, &z, bias))
 }
 
-/// Forward of the mixture of experts on `a.xn2 [N, D]` into `out [N, D]` (`=`, before the
-/// residual); `out = None` is the recomputation for backward, which stops before combining.
+/// Forward of the mixture of experts of block `layer` on `a.xn2 [N, D]` into `out [N, D]`
+/// (`=`, before the residual); `out = None` is the recomputation for backward, which stops
+/// before combining.
 pub(super) fn moe_fwd<T: Real, B: Backend<T>>(
     ctx: &BlockCtx<T, B>,
     w: &Experts<B::Buf>,
+    layer: usize,
     a: &mut BlockActs<B::Buf>,
     g: &mut BlockGrads<B::Buf>,
     out: Option<&mut B::Buf>,
@@ -92,7 +105,8 @@ pub(super) fn moe_fwd<T: Real, B: Backend<T>>(
     let e = m.moe.as_ref().expect("a mixture-of-experts block has its sizes");
     let (d, fe, k) = (m.d, e.ffn, e.router.top_k);
     let n = be.len(&a.xn2) / d;
-    let routed = route_rows(be, e, &mut g.moe_logits, &a.xn2, &w.gate, n, d);
+    let bias = ctx.hooks.router_bias.get(layer - e.first_dense).map(Vec::as_slice);
+    let routed = route_rows(be, e, &mut g.moe_logits, &a.xn2, &w.gate, n, d, bias);
     let (gates, ups, downs) = weights(w);
     be.gather_rows(&mut a.moe_x, &a.xn2, &routed.rows, d);
     be.grouped_linear_fwd_pair(&mut a.moe_gate, &gates, &mut a.moe_up, &ups, &a.moe_x, &routed.offsets, fe, d);

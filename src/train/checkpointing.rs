@@ -91,6 +91,9 @@ fn resume<B: Backend<f32> + Clone>(
         match attempt {
             Ok((meta, bytes)) => {
                 state.rule.t = meta.optim_step;
+                if !state.router_bias.is_empty() && !meta.router_bias.is_empty() {
+                    state.router_bias = meta.router_bias.clone();
+                }
                 return Ok((meta, path.clone(), bytes));
             }
             Err(LoadError::Corrupt(e)) if auto => say!("resume = \"auto\": skipping a checkpoint that is not valid: {e}"),
@@ -191,6 +194,7 @@ pub(super) fn save<B: Backend<f32> + Clone>(
         layout: WriterLayout { pp: l.pp, dp_replicate: l.dp_replicate, dp_shard: l.dp_shard, cp: l.cp, tp: l.tp, world: mesh.world.size() },
         model: deck.model.clone(),
         ndtrain_version: env!("CARGO_PKG_VERSION").to_string(),
+        router_bias: state.router_bias.clone(),
     };
     let rss_before = mesh.world.min_max_sum_f64(rss_bytes() as f64).1 as u64;
     let rank = mesh.world.rank();

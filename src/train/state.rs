@@ -33,6 +33,11 @@ pub struct ModelState<'g, B: Backend<f32>> {
     pub rule: AdamRule,
     /// Each slot's block of its logical tensor, in slot order.
     pub blocks: Vec<ShardBlock>,
+    /// Balancing without an auxiliary loss (`[model] router_bias_update_rate > 0`): each expert
+    /// block's selection bias `[E]`, the same on every rank; empty otherwise.
+    pub router_bias: Vec<Vec<f64>>,
+    /// `[model] router_bias_update_rate`.
+    bias_rate: f64,
     be: B,
 }
 
@@ -62,6 +67,11 @@ impl<'g, B: Backend<f32> + Clone> ModelState<'g, B> {
             exp_avg_sq: moments(),
             rule: AdamRule::new(optim),
             blocks: shard_blocks(&params.plan, dims, replica_leader),
+            router_bias: match &dims.moe {
+                Some(e) if e.bias_rate > 0.0 => vec![vec![0.0; e.router.experts]; dims.moe_layers()],
+                _ => vec![],
+            },
+            bias_rate: dims.moe.as_ref().map_or(0.0, |e| e.bias_rate),
             params,
             grads,
             be: be.clone(),
@@ -70,6 +80,19 @@ impl<'g, B: Backend<f32> + Clone> ModelState<'g, B> {
 
     pub fn backend(&self) -> &B {
         &self.be
+    }
+
+    /// After an update: every expert block's bias moves towards an even load by the step's
+    /// global choices `[expert blocks × E]` (`router::update_bias`; integers, so every rank
+    /// makes the same move).
+    pub fn balance_experts(&mut self, counts: &[u64]) {
+        if self.router_bias.is_empty() {
+            return;
+        }
+        let experts = self.router_bias[0].len();
+        for (bias, c) in self.router_bias.iter_mut().zip(counts.chunks(experts)) {
+            crate::model::router::update_bias(bias, c, self.bias_rate);
+        }
     }
 
     pub fn plan(&self) -> &ShardPlan {

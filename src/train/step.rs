@@ -114,7 +114,13 @@ struct Strategies<'g, B: Backend<f32>> {
 
 impl<'g, B: Backend<f32>> Strategies<'g, B> {
     fn hooks(&self) -> Hooks<'_, f32, B> {
-        Hooks { tp: &self.tp, attention: self.attention.as_ref(), sequences: &self.sequences, progress: crate::parallel::comm::progress }
+        Hooks {
+            tp: &self.tp,
+            attention: self.attention.as_ref(),
+            sequences: &self.sequences,
+            router_bias: &[],
+            progress: crate::parallel::comm::progress,
+        }
     }
 }
 
@@ -209,6 +215,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let updated = loss.is_finite() && grad_norm.is_finite();
         if updated {
             self.state.update(clip_coefficient(grad_norm, self.schedule.optim.grad_clip), lr);
+            self.state.balance_experts(&expert_counts);
         } else if self.schedule.optim.on_nonfinite == OnNonFinite::Abort {
             return Err(Box::new(self.nonfinite_failure(step + 1, loss, grad_norm)));
         }
@@ -267,7 +274,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         let mut batch = |micro| shape.local_batch(loader, mesh, step, micro);
         let mut observe = |what: &dyn std::fmt::Display| beat(|| format!("step {}: {what}", step + 1));
         let pass = Pass::Train { grads: &mut self.state.grads, loss_scale: (1.0 / n_tok) as f32 };
-        let hooks = self.par.hooks();
+        let hooks = Hooks { router_bias: &self.state.router_bias, ..self.par.hooks() };
         let (loss_sum, times) = self.pipeline.run(pass, &mut self.state.params, hooks, ga, &mut batch, &mut observe)?;
         add_schedule_times(pt, &times);
         Ok((loss_sum, n_tok))

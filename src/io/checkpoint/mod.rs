@@ -105,6 +105,9 @@ pub struct Meta {
     pub layout: WriterLayout,
     pub model: ModelCfg,
     pub ndtrain_version: String,
+    /// Balancing without an auxiliary loss: each expert block's selection bias (attribute
+    /// `router_bias`, JSON; absent, and empty here, without it).
+    pub router_bias: Vec<Vec<f64>>,
 }
 
 /// Why a checkpoint could not be loaded.
@@ -305,6 +308,9 @@ fn write_meta(file: &H5File, m: &Meta) -> Result<(), String> {
         file.set_attr_str("layout", &json(&m.layout))?;
         file.set_attr_str("model", &json(&m.model))?;
         file.set_attr_str("ndtrain_version", &m.ndtrain_version)?;
+        if !m.router_bias.is_empty() {
+            file.set_attr_str("router_bias", &json(&m.router_bias))?;
+        }
         file.set_attr_str("checksum_algorithm", CHECKSUM_ALGORITHM)
     })();
     r.map_err(|e| e.to_string())
@@ -335,6 +341,10 @@ fn read_meta(file: &H5File, path: &Path) -> Result<Meta, LoadError> {
         layout: parse("layout", &s("layout")?).map_err(corrupt)?,
         model: parse("model", &s("model")?).map_err(corrupt)?,
         ndtrain_version: s("ndtrain_version")?,
+        router_bias: match file.attr_str("router_bias") {
+            Ok(text) => parse("router_bias", &text).map_err(corrupt)?,
+            Err(_) => vec![],
+        },
     })
 }
 

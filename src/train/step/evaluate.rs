@@ -6,6 +6,7 @@
 
 use super::{global_loss_sum, Trainer};
 use crate::backend::Backend;
+use crate::model::hooks::Hooks;
 use crate::parallel::pp::executor::Pass;
 use crate::run::watchdog::beat;
 use crate::run::Error;
@@ -26,7 +27,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Trainer<'g, B> {
         // Micro-batch k of the evaluation is micro-batch k mod ga of global batch k / ga.
         let mut batch = |k: usize| shape.local_batch(held_out, mesh, (k / ga) as u64, k % ga);
         let mut observe = |what: &dyn std::fmt::Display| beat(|| format!("evaluation of {batches} batch(es): {what}"));
-        let hooks = self.par.hooks();
+        let hooks = Hooks { router_bias: &self.state.router_bias, ..self.par.hooks() };
         let (loss_sum, _) = self.pipeline.run(Pass::Evaluate, &mut self.state.params, hooks, batches * ga, &mut batch, &mut observe)?;
         Ok(global_loss_sum(mesh, loss_sum.cross_entropy) / n_tok)
     }
