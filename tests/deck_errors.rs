@@ -203,22 +203,6 @@ const BAD: &[Bad] = &[
         &["m:[model] experts_per_token is set, but n_experts = 0", "h:set n_experts"],
     ),
     bad_set(
-        "experts under zero bubble",
-        &[
-            "model.n_experts=4",
-            "model.experts_per_token=2",
-            "model.moe_ffn_hidden=8",
-            "parallel.pp=2",
-            "parallel.pp_schedule=zero_bubble",
-            "train.grad_accum=2",
-        ],
-        2,
-        &[
-            "m:[parallel] pp_schedule = \"zero_bubble\", but a mixture of experts ([model] n_experts = 4) does not defer",
-            "h:pp_schedule = \"1f1b\"",
-        ],
-    ),
-    bad_set(
         "dense blocks beyond the model",
         &["model.n_experts=4", "model.experts_per_token=2", "model.moe_ffn_hidden=8", "model.first_dense_layers=3"],
         1,

@@ -118,7 +118,8 @@ fn assert_close(name: &str, a: &Path, b: &Path) {
 }
 
 /// Pipelines carry each micro-batch's expert loads with its activations and gradients: every
-/// schedule but zero bubble, composed with CP and FSDP, matches one rank (losses, auxiliary
+/// schedule (zero bubble keeps the experts' weight-gradient operands), composed with CP, TP
+/// and FSDP, matches one rank (losses, auxiliary
 /// losses, the final checkpoint) and moves the bytes the planner predicts.
 #[test]
 fn pipelines_of_experts_match_one_rank() {
@@ -130,6 +131,12 @@ fn pipelines_of_experts_match_one_rank() {
         ("pp2_1f1b", 2, &["parallel.pp=2"]),
         ("pp2_gpipe", 2, &["parallel.pp=2", "parallel.pp_schedule=\"gpipe\""]),
         ("pp2_interleaved", 2, &["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=\"interleaved\""]),
+        ("pp2_zero_bubble", 2, &["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\""]),
+        (
+            "pp2_tp2_sp_zero_bubble",
+            4,
+            &["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=\"zero_bubble\""],
+        ),
         ("pp2_cp2", 4, &["parallel.pp=2", "parallel.cp=2"]),
         ("pp2_fsdp2_full", 4, &["parallel.pp=2", "parallel.dp_shard=2", "train.activation_checkpointing=\"full\""]),
     ];

@@ -145,6 +145,8 @@ fn mixture_of_experts_gradient_matches_finite_differences() {
     check_cfg(&moe, ActCkpt::None, Backward::Whole);
     let qwen3_moe = ModelCfg { norm_topk_prob: false, qk_norm: true, head_dim: 6, ..moe };
     check_cfg(&qwen3_moe, ActCkpt::Full, Backward::Whole);
+    // Zero bubble's split: the experts' and the router's weight gradients from kept operands.
+    check_cfg(&qwen3_moe, ActCkpt::Selective, Backward::Split);
 }
 
 /// Zero bubble's split backward, with the recomputation of full checkpointing (the kept

@@ -74,6 +74,17 @@ fn the_plan_matches_the_measured_bytes_and_memory() {
             ],
         ),
         (
+            "moe_pp2_zero_bubble",
+            2,
+            &[
+                "parallel.pp=2",
+                "parallel.pp_schedule=\"zero_bubble\"",
+                "model.n_experts=8",
+                "model.experts_per_token=2",
+                "model.moe_ffn_hidden=384",
+            ],
+        ),
+        (
             "moe_tp2_sp_cp2",
             4,
             &[

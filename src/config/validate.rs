@@ -11,7 +11,7 @@
 //! One check per table, each naming its keys, then the layout's and the batch's rules that span
 //! tables, and their tests.
 
-use super::{ConfigError, Deck, LrScaling, PpSchedule, Source};
+use super::{ConfigError, Deck, LrScaling, Source};
 
 /// The resolved mesh degrees, outermost to innermost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -523,19 +523,7 @@ impl Deck {
                 .with_hint(hint())
             })?;
         }
-        self.check_expert_layout(l)
-    }
-
-    /// The layouts a mixture of experts runs on: every one but zero bubble's pipeline, so far.
-    fn check_expert_layout(&self, l: &Layout) -> Result<(), ConfigError> {
-        let zero_bubble = l.pp > 1 && self.parallel.pp_schedule == PpSchedule::ZeroBubble;
-        need(!self.model.is_moe() || !zero_bubble, || {
-            err(format!(
-                "[parallel] pp_schedule = \"zero_bubble\", but a mixture of experts ([model] n_experts = {}) does not defer its weight gradients yet",
-                self.model.n_experts
-            ))
-            .with_hint("use pp_schedule = \"1f1b\", \"gpipe\" or \"interleaved\"")
-        })
+        Ok(())
     }
 
     /// `(grad_accum, global_batch)` from whichever of the two the deck gives.

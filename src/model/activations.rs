@@ -337,21 +337,55 @@ pub(super) struct DeferredWeights<V> {
     pub(super) dnorm2: V,  // [D]
     pub(super) dq_norm: V, // [hd] with `qk_norm`, else empty
     pub(super) dk_norm: V, // [hd] with `qk_norm`, else empty
+    /// A mixture-of-experts block's operands (else empty; the dense MLP's above are then
+    /// empty): the experts' output gradients and inputs over the `Nk` routed rows (down:
+    /// `dy [Nk, D]`, `h [Nk, Fe]`; gate and up: `dgate`, `dup [Nk, Fe]`, `x [Nk, D]`), and the
+    /// router's (`dz [N_local, E]`, `xn [N_local, D]`).
+    pub(super) moe: [V; 7],
+    /// Each expert's routed rows (`offsets[e]..offsets[e + 1]`).
+    pub(super) offsets: Vec<usize>,
 }
 
-/// Element counts of [`DeferredWeights`]: `dy` in projection order, then `x`, then the norms.
-pub(super) fn deferred_lens(m: &Dims, n: usize) -> [usize; 15] {
-    let (d, f) = (m.d, m.ffn_local);
+/// Element counts of [`DeferredWeights`]: `dy` in projection order, then `x`, then the norms,
+/// then the experts' operands (`n` rows, `nl` of them this rank's).
+pub(super) fn deferred_lens(m: &Dims, n: usize, nl: usize, mlp: Mlp) -> [usize; 22] {
+    let d = m.d;
+    let f = mlp.dense as usize * m.ffn_local;
     let (qd, kvd) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
     let qk = m.qk_norm as usize * m.hd;
-    [n * qd, n * kvd, n * kvd, n * d, n * f, n * f, n * d, n * d, n * qd, n * d, n * f, d, d, qk, qk]
+    let (nk, fe) = routed_rows(m, nl, mlp);
+    let (ne, nd) = if nk > 0 { (nl * m.moe.as_ref().map_or(0, |e| e.router.experts), nl * d) } else { (0, 0) };
+    [
+        n * qd,
+        n * kvd,
+        n * kvd,
+        n * d,
+        n * f,
+        n * f,
+        n * d * mlp.dense as usize,
+        n * d,
+        n * qd,
+        n * d * mlp.dense as usize,
+        n * f,
+        d,
+        d,
+        qk,
+        qk,
+        nk * d,
+        nk * fe,
+        nk * fe,
+        nk * fe,
+        nk * d,
+        ne,
+        nd,
+    ]
 }
 
 impl<V> DeferredWeights<V> {
-    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize) -> Self {
+    pub(super) fn alloc<T: Real, B: Backend<T, Buf = V>>(be: &B, m: &Dims, n: usize, nl: usize, mlp: Mlp) -> Self {
         let _for = crate::backend::allocating("zero bubble's deferred weight-gradient operands", None);
-        let mut bufs = deferred_lens(m, n).map(|len| be.zeros(len)).into_iter();
-        let mut next = || bufs.next().expect("15 buffers");
+        let mut bufs = deferred_lens(m, n, nl, mlp).map(|len| be.zeros(len)).into_iter();
+        let mut next = || bufs.next().expect("22 buffers");
         DeferredWeights {
             dy: std::array::from_fn(|_| next()),
             x: std::array::from_fn(|_| next()),
@@ -359,12 +393,14 @@ impl<V> DeferredWeights<V> {
             dnorm2: next(),
             dq_norm: next(),
             dk_norm: next(),
+            moe: std::array::from_fn(|_| next()),
+            offsets: vec![],
         }
     }
 
     pub(super) fn elements<T: Real, B: Backend<T, Buf = V>>(&self, be: &B) -> usize {
         let norms = [&self.dnorm1, &self.dnorm2, &self.dq_norm, &self.dk_norm];
-        self.dy.iter().chain(&self.x).chain(norms).map(|t| be.len(t)).sum()
+        self.dy.iter().chain(&self.x).chain(norms).chain(&self.moe).map(|t| be.len(t)).sum()
     }
 }
 

@@ -9,7 +9,7 @@
 
 use super::activations::{BlockActs, BlockGrads, DeferredWeights};
 use super::hooks::Hooks;
-use super::moe::{moe_bwd, moe_fwd};
+use super::moe::{moe_bwd, moe_bwd_weight, moe_fwd};
 use super::params::{Dims, Layer};
 use crate::backend::{AttnDims, Backend};
 use crate::scalar::Real;
@@ -272,7 +272,11 @@ fn norm_slot<'a, T: Real, B: Backend<T>>(be: &B, sink: &'a mut WeightGrads<B::Bu
 /// Zero bubble's weight-gradient half of a block's backward: the seven weight-gradient GEMMs
 /// from their kept operands, and the norms' kept gradients, ACCUMULATED (`+=`) into `dw`.
 pub(super) fn block_bwd_weight<T: Real, B: Backend<T>>(be: &B, m: &Dims, n: usize, k: &DeferredWeights<B::Buf>, dw: &mut Layer<B::Buf>) {
-    for p in Proj::ALL {
+    let experts = dw.moe.is_some();
+    if let Some(e) = dw.moe.as_mut() {
+        moe_bwd_weight(be, m, k, e);
+    }
+    for p in Proj::ALL.into_iter().filter(|&p| !(experts && matches!(p, Proj::Gate | Proj::Up | Proj::Down))) {
         let (out, inp) = p.shape(m);
         be.linear_bwd_weight(p.of(dw), &k.dy[p as usize], &k.x[p.input()], n, out, inp, true);
     }

@@ -186,8 +186,8 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
 
     /// Bytes of the weight-gradient operands zero bubble keeps per micro-batch (every block's
     /// [`DeferredWeights`]), for `B × S` tokens per rank.
-    pub fn deferred_memory(m: &Dims, b: usize, s: usize) -> usize {
-        4 * m.layers * deferred_lens(m, b * s).iter().sum::<usize>()
+    pub fn deferred_memory(m: &Dims, b: usize, s: usize, rows: Rows) -> usize {
+        4 * m.layer_ids.iter().map(|&l| deferred_lens(m, b * s, rows.local, Mlp::of(m, l)).iter().sum::<usize>()).sum::<usize>()
     }
 
     fn ensure_buffers(&mut self, b: usize, s: usize, rows: Rows) {
@@ -463,7 +463,12 @@ impl<T: Real, B: Backend<T>> Model<T, B> {
             *work = WeightGradWork {
                 m: self.m.clone(),
                 n,
-                blocks: (0..self.m.layers).map(|_| DeferredWeights::alloc(&self.be, &self.m, n)).collect(),
+                blocks: self
+                    .m
+                    .layer_ids
+                    .iter()
+                    .map(|&l| DeferredWeights::alloc(&self.be, &self.m, n, self.rows.local, Mlp::of(&self.m, l)))
+                    .collect(),
             };
         }
         self.backward_pass(w, gs, loss_scale, hooks, output_grad, Some(&mut work.blocks))

@@ -10,9 +10,9 @@
 //! Legend: `N` rows of this rank, `D` width, `E` experts, `k` experts per row, `Fe` each
 //! expert's FFN width, `Nk = N·k` routed rows (sorted by expert).
 
-use super::activations::{BlockActs, BlockGrads};
+use super::activations::{BlockActs, BlockGrads, DeferredWeights};
 use super::block::{BlockCtx, WeightGrads};
-use super::params::{Experts, MoeDims};
+use super::params::{Dims, Experts, MoeDims};
 use super::router::{route, route_backward, ExpertLoad, Routing};
 use crate::backend::{with_host, Backend};
 use crate::scalar::Real;
@@ -144,10 +144,6 @@ pub(super) fn moe_bwd<'c, T: Real, B: Backend<T>>(
     let (d, fe, k) = (m.d, e.ffn, e.router.top_k);
     let r = &a.routed;
     let n = r.position.len() / k;
-    let dw = match dw {
-        WeightGrads::Now(l) => l.moe.as_mut().expect("the gradient of a mixture-of-experts block has experts"),
-        WeightGrads::Deferred(_) => unreachable!("zero bubble runs dense blocks only (the deck check refuses experts with pp > 1)"),
-    };
     let (gates, ups, downs) = weights(w);
     // y = down(h) is scaled by its gate weight: dy = w·dout, and dw_{r,j} = dout[r] · y.
     be.gather_rows(&mut g.moe_dy, dout, &r.rows, d);
@@ -155,14 +151,32 @@ pub(super) fn moe_bwd<'c, T: Real, B: Backend<T>>(
     let dweights: Vec<f64> = r.position.iter().map(|&p| dweight_sorted[p as usize]).collect();
     let scale: Vec<T> = r.weights.iter().map(|&x| T::from_f64(x)).collect();
     be.scale_rows(&mut g.moe_dy, &scale, d);
-    let mut ddowns: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.down_proj).collect();
-    be.grouped_linear_bwd(&mut g.moe_dh, false, &mut ddowns, &g.moe_dy, &a.moe_h, &downs, &r.offsets, d, fe);
-    (ctx.hooks.progress)();
-    be.swiglu_bwd(&mut g.moe_dgate, &mut g.moe_dup, &g.moe_dh, &a.moe_gate, &a.moe_up);
-    let mut dgates: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.gate_proj).collect();
-    be.grouped_linear_bwd(&mut g.moe_dx, false, &mut dgates, &g.moe_dgate, &a.moe_x, &gates, &r.offsets, fe, d);
-    let mut dups: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.up_proj).collect();
-    be.grouped_linear_bwd(&mut g.moe_dx, true, &mut dups, &g.moe_dup, &a.moe_x, &ups, &r.offsets, fe, d);
+    match dw {
+        WeightGrads::Now(l) => {
+            let dw = l.moe.as_mut().expect("the gradient of a mixture-of-experts block has experts");
+            let mut ddowns: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.down_proj).collect();
+            be.grouped_linear_bwd(&mut g.moe_dh, false, &mut ddowns, &g.moe_dy, &a.moe_h, &downs, &r.offsets, d, fe);
+            (ctx.hooks.progress)();
+            be.swiglu_bwd(&mut g.moe_dgate, &mut g.moe_dup, &g.moe_dh, &a.moe_gate, &a.moe_up);
+            let mut dgates: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.gate_proj).collect();
+            be.grouped_linear_bwd(&mut g.moe_dx, false, &mut dgates, &g.moe_dgate, &a.moe_x, &gates, &r.offsets, fe, d);
+            let mut dups: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.up_proj).collect();
+            be.grouped_linear_bwd(&mut g.moe_dx, true, &mut dups, &g.moe_dup, &a.moe_x, &ups, &r.offsets, fe, d);
+        }
+        // Zero bubble: the input gradients now, the weight gradients' operands kept for
+        // `moe_bwd_weight`.
+        WeightGrads::Deferred(k) => {
+            be.grouped_linear_bwd_input(&mut g.moe_dh, &g.moe_dy, &downs, &r.offsets, d, fe, false);
+            be.swiglu_bwd(&mut g.moe_dgate, &mut g.moe_dup, &g.moe_dh, &a.moe_gate, &a.moe_up);
+            be.grouped_linear_bwd_input(&mut g.moe_dx, &g.moe_dgate, &gates, &r.offsets, fe, d, false);
+            be.grouped_linear_bwd_input(&mut g.moe_dx, &g.moe_dup, &ups, &r.offsets, fe, d, true);
+            let [dy, h, dgate, dup, x, _, _] = &mut k.moe;
+            for (dst, src) in [(dy, &g.moe_dy), (h, &a.moe_h), (dgate, &g.moe_dgate), (dup, &g.moe_dup), (x, &a.moe_x)] {
+                be.copy(dst, src);
+            }
+            k.offsets.clone_from(&r.offsets);
+        }
+    }
     (ctx.hooks.progress)();
     be.fill(&mut g.dxn, T::ZERO);
     be.scatter_add_rows(&mut g.dxn, &g.moe_dx, &r.rows, d);
@@ -176,7 +190,33 @@ pub(super) fn moe_bwd<'c, T: Real, B: Backend<T>>(
     route_backward(e.router, &r.routing, &dweights, aux, &mut dz);
     let dz: Vec<T> = dz.into_iter().map(T::from_f64).collect();
     be.upload(&mut g.moe_logits, &dz);
-    be.linear_bwd(&mut g.dxn, true, &mut dw.gate, &g.moe_logits, &a.xn2, &w.gate, n, experts, d);
+    match dw {
+        WeightGrads::Now(l) => {
+            let dw = l.moe.as_mut().expect("the gradient of a mixture-of-experts block has experts");
+            be.linear_bwd(&mut g.dxn, true, &mut dw.gate, &g.moe_logits, &a.xn2, &w.gate, n, experts, d);
+        }
+        WeightGrads::Deferred(k) => {
+            be.linear_bwd_input(&mut g.dxn, &g.moe_logits, &w.gate, n, experts, d, true);
+            be.copy(&mut k.moe[5], &g.moe_logits);
+            be.copy(&mut k.moe[6], &a.xn2);
+        }
+    }
+}
+
+/// Zero bubble's weight-gradient half of [`moe_bwd`]: every expert's and the router's
+/// weight gradients from the operands it kept, ACCUMULATED (`+=`) into `dw`.
+pub(super) fn moe_bwd_weight<T: Real, B: Backend<T>>(be: &B, m: &Dims, k: &DeferredWeights<B::Buf>, dw: &mut Experts<B::Buf>) {
+    let e = m.moe.as_ref().expect("a mixture-of-experts block has its sizes");
+    let (d, fe) = (m.d, e.ffn);
+    let [dy, h, dgate, dup, x, dz, xn] = &k.moe;
+    let mut ddowns: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.down_proj).collect();
+    be.grouped_linear_bwd_weight(&mut ddowns, dy, h, &k.offsets, d, fe, true);
+    let mut dgates: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.gate_proj).collect();
+    be.grouped_linear_bwd_weight(&mut dgates, dgate, x, &k.offsets, fe, d, true);
+    let mut dups: Vec<&mut B::Buf> = dw.experts.iter_mut().map(|x| &mut x.up_proj).collect();
+    be.grouped_linear_bwd_weight(&mut dups, dup, x, &k.offsets, fe, d, true);
+    let n = be.len(xn) / d;
+    be.linear_bwd_weight(&mut dw.gate, dz, xn, n, e.router.experts, d, true);
 }
 
 /// Every expert's gate, up and down projections.

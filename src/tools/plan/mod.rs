@@ -137,7 +137,7 @@ fn stage_plan(res: &Resolved, stage: usize) -> (RankPlan, Vec<Chunk>) {
             a.backward += 4 * cp::ring_scratch_elements(&cd, mb, s_local, l.cp);
             let mut a = a.times(k);
             // Zero bubble: the weight-gradient operands of `kept` micro-batches wait besides.
-            a.deferred = kept * Model::<f32>::deferred_memory(&cd, mb, s_local);
+            a.deferred = kept * Model::<f32>::deferred_memory(&cd, mb, s_local, rows);
             a
         });
         per_chunk.fold(ActivationMemory::default(), ActivationMemory::plus)
