@@ -58,6 +58,15 @@ fn every_data_parallel_layout_of_experts_matches_one_rank() {
         let other = expert_load(&dir.path().join(layout));
         assert_eq!(other[..2], load_one[..2], "{layout}: the first step's expert load");
     }
+    // The report shows it per block (the even share: 2048 choices over 8 experts).
+    let (one, report) = (dir.path().join("one"), dir.path().join("report"));
+    let o = run_single(&["report", one.to_str().unwrap(), "--out", report.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let md = std::fs::read_to_string(report.join("summary.md")).unwrap();
+    let section = md.split("## Expert load").nth(1).expect("an expert-load section");
+    for block in [0, 1] {
+        assert!(section.contains(&format!("| {block} | 10 |")) && section.contains("/ 256 /"), "{section}");
+    }
 }
 
 /// The rows of `expert_load.csv` (step, layer, choices, min, max, cv).

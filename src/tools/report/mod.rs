@@ -1,7 +1,7 @@
 //! `ndtrain report`: summaries and plots of the logs of one or more finished (or stopped) runs.
 //!
 //! Reads a run directory as `ndtrain train` leaves it (`deck.toml`, `metrics.csv`,
-//! `timing/rank_<5 digits>.csv`), draws statistics from it (median step time, throughput,
+//! `timing/rank_<5 digits>.csv`, and a mixture of experts' `expert_load.csv`), draws statistics from it (median step time, throughput,
 //! per-phase load imbalance across ranks, bytes per collective, peak memory), analyses the
 //! scaling across runs, and writes `summary.md`, `summary.csv`, `scaling.csv` and the plots
 //! (PNG and SVG, drawn with `plotters`, text through a TrueType font loaded at run time).
@@ -25,7 +25,7 @@ use read::{unique_names, RunLog};
 use scaling::Scaling;
 use stats::RunStats;
 use std::path::{Path, PathBuf};
-use tables::{scaling_csv, study_csv, study_markdown, summary_csv, summary_markdown};
+use tables::{expert_load_markdown, scaling_csv, study_csv, study_markdown, summary_csv, summary_markdown};
 
 /// Writes the report of `runs` into `out` (created); returns the files written. A run that
 /// cannot be read is listed under *Not reported* (and on stderr); only when none can be read
@@ -74,10 +74,19 @@ pub fn run_study(study: &Path, out: &Path) -> Result<Vec<PathBuf>, String> {
 /// The tables and plots of readable `logs` (`unread`: the runs listed as not reported).
 fn write_report(logs: &[RunLog], unread: &[String], out: &Path) -> Result<Vec<PathBuf>, String> {
     let names = unique_names(logs);
+    let loads = logs
+        .iter()
+        .zip(&names)
+        .filter_map(|(log, name)| log.expert_load.as_ref().map(|t| expert_load_markdown(name, t, log.deck.n_experts)))
+        .collect::<Result<String, _>>()?;
     let summaries = logs.iter().zip(names).map(|(log, name)| RunStats::of(log, name)).collect::<Result<Vec<_>, _>>()?;
     let scaling = (summaries.len() >= 2).then(|| Scaling::of(&summaries));
     std::fs::create_dir_all(out).map_err(|e| format!("cannot create the report directory {}: {e}", out.display()))?;
     let mut md = summary_markdown(&summaries, scaling.as_ref());
+    if !loads.is_empty() {
+        md += "\n## Expert load\n\nPer run and expert block, from `expert_load.csv`: the coefficient of variation of the choices per expert (0: an even load) over the steps, and the last step's least and most chosen expert against the even share.\n";
+        md += &loads;
+    }
     if !unread.is_empty() {
         md += "\n## Not reported\n\n";
         md += &unread.iter().map(|u| format!("- {u}\n")).collect::<String>();

@@ -107,6 +107,8 @@ pub(super) struct DeckFacts {
     pub(super) layout: RunLayout,
     pub(super) global_batch: usize,
     pub(super) seq_len: usize,
+    /// `[model] n_experts` (0 for a dense model).
+    pub(super) n_experts: usize,
 }
 
 impl DeckFacts {
@@ -146,7 +148,8 @@ impl DeckFacts {
             .and_then(|v| v.as_integer())
             .filter(|&v| v > 0)
             .ok_or_else(|| format!("{}: no positive [train] seq_len", path.display()))? as usize;
-        Ok(DeckFacts { ranks, layout, global_batch: get("global_batch")?, seq_len })
+        let n_experts = toml.get("model").and_then(|m| m.get("n_experts")).and_then(|v| v.as_integer()).unwrap_or(0).max(0) as usize;
+        Ok(DeckFacts { ranks, layout, global_batch: get("global_batch")?, seq_len, n_experts })
     }
 }
 
@@ -157,6 +160,8 @@ pub(super) struct RunLog {
     pub(super) metrics: CsvTable,
     /// One timing log per rank, in rank order.
     pub(super) timing: Vec<CsvTable>,
+    /// A mixture of experts' `expert_load.csv`, where the run wrote one.
+    pub(super) expert_load: Option<CsvTable>,
 }
 
 impl RunLog {
@@ -178,7 +183,9 @@ impl RunLog {
             return Err(format!("{}: no steps logged", metrics_path.display()));
         }
         let timing = read_timing_logs(&timing_dir, deck.ranks)?;
-        Ok(RunLog { dir: dir.to_path_buf(), deck, metrics, timing })
+        let load_path = dir.join("expert_load.csv");
+        let expert_load = load_path.exists().then(|| CsvTable::read(&load_path)).transpose()?;
+        Ok(RunLog { dir: dir.to_path_buf(), deck, metrics, timing, expert_load })
     }
 }
 

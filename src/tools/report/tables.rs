@@ -4,6 +4,7 @@
 //!
 //! Builds strings only: `mod.rs` writes them to files. Draws nothing (`plots.rs`).
 
+use super::read::CsvTable;
 use super::scaling::{Scaling, ScalingMode};
 use super::stats::{collectives_of, RunStats};
 use super::study::{efficiency, scaling_mode, PointStats};
@@ -379,6 +380,36 @@ pub(super) fn study_csv(points: &[PointStats]) -> String {
         );
     }
     s
+}
+
+/// A run's expert load (`expert_load.csv`) as a markdown table: per expert block the steps,
+/// the coefficient of variation at the first step, its median over the steps and at the last
+/// step, and the last step's least and most chosen expert against the even share.
+pub(super) fn expert_load_markdown(name: &str, t: &CsvTable, experts: usize) -> Result<String, String> {
+    let col = |c: &str| t.column(c);
+    let (layer, choices, min, max, cv) = (col("layer")?, col("choices")?, col("min")?, col("max")?, col("cv")?);
+    let mut out = format!(
+        "\n### {name}\n\n| block | steps | cv first | cv median | cv last | last step min / even / max |\n|---|---|---|---|---|---|\n"
+    );
+    let mut blocks: Vec<u64> = layer.iter().map(|&l| l as u64).collect();
+    blocks.sort_unstable();
+    blocks.dedup();
+    for b in blocks {
+        let rows: Vec<usize> = (0..layer.len()).filter(|&i| layer[i] as u64 == b).collect();
+        let cvs: Vec<f64> = rows.iter().map(|&i| cv[i]).collect();
+        let last = *rows.last().expect("a row per block");
+        let even = if experts > 0 { format!("{:.0}", choices[last] / experts as f64) } else { "?".into() };
+        out += &format!(
+            "| {b} | {} | {:.3} | {:.3} | {:.3} | {:.0} / {even} / {:.0} |\n",
+            rows.len(),
+            cvs[0],
+            crate::metrics::median(&cvs),
+            cv[last],
+            min[last],
+            max[last]
+        );
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
