@@ -9,8 +9,7 @@
 
 mod common;
 use common::*;
-use ndtrain::io::checkpoint::tools;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const EXPERTS: &[&str] = &[
     "run.steps=10",
@@ -105,25 +104,6 @@ fn train(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> Vec<f64> {
     let mut sets = pipeline_sets();
     sets.extend_from_slice(extra);
     train_losses(dir, name, &tiny_deck(), (ranks > 1).then_some(ranks), &sets).1
-}
-
-fn ckpt(dir: &Path, name: &str, step: u64) -> PathBuf {
-    dir.join(name).join("ckpt").join(format!("step_{step:08}.h5"))
-}
-
-/// Every tensor of two checkpoints within the layout tolerance of the larger one's scale
-/// (parameters `PARAM_TOL`; AdamW moments 5e-3, as in `tests/checkpoint.rs`).
-fn assert_close(name: &str, a: &Path, b: &Path) {
-    let names = tools::dataset_paths(a).unwrap();
-    assert_eq!(names, tools::dataset_paths(b).unwrap(), "{name}: the same tensors");
-    for n in names {
-        let (_, xa) = tools::read_tensor(a, &n).unwrap();
-        let (_, xb) = tools::read_tensor(b, &n).unwrap();
-        let scale = xa.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
-        let diff = xa.iter().zip(&xb).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
-        let tol = if n.starts_with("model/") { PARAM_TOL } else { 5e-3 };
-        assert!(diff <= tol * scale, "{name}: {n}: max |Δ| {diff:e} vs scale {scale:e}");
-    }
 }
 
 /// Pipelines carry each micro-batch's expert loads with its activations and gradients: every

@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use ndtrain::io::checkpoint::tools;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The tiny deck with 4 blocks (so 4 stages fit), 6 steps of 16 sequences in micro-batches of
 /// 2 (8 micro-steps on one rank), clipping active, a checkpoint at steps 3 and 6.
@@ -27,26 +27,6 @@ fn train(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> (Vec<String>, 
     sets.extend_from_slice(extra);
     let ranks = (ranks > 1).then_some(ranks);
     train_losses(dir, name, &tiny_deck(), ranks, &sets)
-}
-
-fn ckpt(dir: &Path, name: &str, step: u64) -> PathBuf {
-    dir.join(name).join("ckpt").join(format!("step_{step:08}.h5"))
-}
-
-/// Every tensor of two checkpoints within the layout tolerance of the larger one's scale
-/// (parameters `PARAM_TOL`; AdamW moments 5e-3, as in `tests/checkpoint.rs`).
-fn assert_close(name: &str, a: &Path, b: &Path) {
-    let names = tools::dataset_paths(a).unwrap();
-    assert_eq!(names, tools::dataset_paths(b).unwrap(), "{name}: the same tensors");
-    for n in names {
-        let (sa, xa) = tools::read_tensor(a, &n).unwrap();
-        let (sb, xb) = tools::read_tensor(b, &n).unwrap();
-        assert_eq!(sa, sb, "{name}: {n}");
-        let scale = xa.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
-        let diff = xa.iter().zip(&xb).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
-        let tol = if n.starts_with("model/") { PARAM_TOL } else { 5e-3 };
-        assert!(diff <= tol * scale, "{name}: {n}: max |Δ| {diff:e} vs scale {scale:e}");
-    }
 }
 
 fn assert_bitwise(name: &str, a: &Path, b: &Path) {

@@ -296,6 +296,12 @@ pub trait Backend<T: Real> {
             v[0].chunks(d).zip(v[1].chunks(d)).map(|(x, y)| x.iter().zip(y).map(|(p, q)| p.to_f64() * q.to_f64()).sum()).collect()
         })
     }
+    /// A new buffer holding rows `rows` of `src [_, width]` (one group of a grouped layer).
+    fn rows_of(&self, src: &Self::Buf, rows: Range<usize>, width: usize) -> Self::Buf {
+        let mut out = self.zeros(rows.len() * width);
+        self.copy_range(&mut out, 0, src, rows.start * width..rows.end * width);
+        out
+    }
     /// One linear layer per group of rows (each expert's tokens): rows
     /// `offsets[g]..offsets[g + 1]` of `x [M, k]` times `ws[g]ᵀ` (`[n, k]`) into the same rows of
     /// `y [M, n]` (`=`).
@@ -306,8 +312,7 @@ pub trait Backend<T: Real> {
         for (g, w) in ws.iter().enumerate() {
             let (r0, r1) = (offsets[g], offsets[g + 1]);
             if r1 > r0 {
-                let (mut xg, mut yg) = (self.zeros((r1 - r0) * k), self.zeros((r1 - r0) * n));
-                self.copy_range(&mut xg, 0, x, r0 * k..r1 * k);
+                let (xg, mut yg) = (self.rows_of(x, r0..r1, k), self.zeros((r1 - r0) * n));
                 self.linear_fwd(&mut yg, &xg, w, r1 - r0, n, k, false);
                 self.copy_range(y, r0 * n, &yg, 0..(r1 - r0) * n);
             }
@@ -370,8 +375,7 @@ pub trait Backend<T: Real> {
         for (g, w) in ws.iter().enumerate() {
             let (r0, r1) = (offsets[g], offsets[g + 1]);
             if r1 > r0 {
-                let (mut dyg, mut dxg) = (self.zeros((r1 - r0) * n), self.zeros((r1 - r0) * k));
-                self.copy_range(&mut dyg, 0, dy, r0 * n..r1 * n);
+                let (dyg, mut dxg) = (self.rows_of(dy, r0..r1, n), self.zeros((r1 - r0) * k));
                 self.linear_bwd_input(&mut dxg, &dyg, w, r1 - r0, n, k, false);
                 if acc {
                     self.add_range(dx, r0 * k, &dxg, 0..(r1 - r0) * k);
@@ -398,9 +402,7 @@ pub trait Backend<T: Real> {
         for (g, dw) in dws.iter_mut().enumerate() {
             let (r0, r1) = (offsets[g], offsets[g + 1]);
             if r1 > r0 {
-                let (mut dyg, mut xg) = (self.zeros((r1 - r0) * n), self.zeros((r1 - r0) * k));
-                self.copy_range(&mut dyg, 0, dy, r0 * n..r1 * n);
-                self.copy_range(&mut xg, 0, x, r0 * k..r1 * k);
+                let (dyg, xg) = (self.rows_of(dy, r0..r1, n), self.rows_of(x, r0..r1, k));
                 self.linear_bwd_weight(dw, &dyg, &xg, r1 - r0, n, k, acc);
             } else if !acc {
                 self.fill(dw, T::ZERO);

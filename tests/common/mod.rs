@@ -2,6 +2,7 @@
 //! MPI job) or under `mpirun`, and read what it wrote.
 #![allow(dead_code)]
 
+use ndtrain::io::checkpoint::tools;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -257,4 +258,25 @@ pub fn term_ranks(launcher: u32, ranks: usize) -> Vec<i32> {
         assert!(Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
     }
     pids
+}
+
+/// The checkpoint a run in `dir/name` wrote after `step` steps.
+pub fn ckpt(dir: &Path, name: &str, step: u64) -> PathBuf {
+    dir.join(name).join("ckpt").join(format!("step_{step:08}.h5"))
+}
+
+/// Every tensor of two checkpoints within the layout tolerance of the larger one's scale
+/// (parameters `PARAM_TOL`; AdamW moments 5e-3, as in `tests/checkpoint.rs`).
+pub fn assert_close(name: &str, a: &Path, b: &Path) {
+    let names = tools::dataset_paths(a).unwrap();
+    assert_eq!(names, tools::dataset_paths(b).unwrap(), "{name}: the same tensors");
+    for n in names {
+        let (sa, xa) = tools::read_tensor(a, &n).unwrap();
+        let (sb, xb) = tools::read_tensor(b, &n).unwrap();
+        assert_eq!(sa, sb, "{name}: {n}");
+        let scale = xa.iter().fold(0.0f32, |m, x| m.max(x.abs())) as f64;
+        let diff = xa.iter().zip(&xb).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) as f64;
+        let tol = if n.starts_with("model/") { PARAM_TOL } else { 5e-3 };
+        assert!(diff <= tol * scale, "{name}: {n}: max |Δ| {diff:e} vs scale {scale:e}");
+    }
 }
