@@ -239,7 +239,7 @@ impl std::ops::IndexMut<Phase> for PhaseTimes {
 
 /// The collectives every timing log has columns for, as `group.kind` (a group of degree 1
 /// never communicates, so its columns stay 0).
-pub const COLLECTIVES: [&str; 13] = [
+pub const COLLECTIVES: [&str; 16] = [
     "cp.ring",
     "cp.all_reduce",
     "fsdp.all_gather",
@@ -253,6 +253,9 @@ pub const COLLECTIVES: [&str; 13] = [
     "pp.send",
     "pp.recv",
     "pp.all_reduce",
+    "ep.all_to_all",
+    "expert_fsdp.all_gather",
+    "expert_fsdp.reduce_scatter",
 ];
 
 /// Bytes of model state one rank holds (high-water marks where they vary).

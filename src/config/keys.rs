@@ -24,6 +24,8 @@ pub(crate) const ALIASES: &[(&str, &str, &str)] = &[
     ("parallel", "tensor_parallel_size", "tp"),
     ("parallel", "cp_size", "cp"),
     ("parallel", "context_parallel_size", "cp"),
+    ("parallel", "ep_size", "ep"),
+    ("parallel", "expert_parallel_size", "ep"),
     ("model", "num_local_experts", "n_experts"),
     ("model", "num_experts", "n_experts"),
     ("model", "num_experts_per_tok", "experts_per_token"),

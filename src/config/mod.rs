@@ -233,6 +233,9 @@ pub struct ParallelCfg {
     pub dp_shard: i64,
     pub cp: i64,
     pub tp: i64,
+    /// Expert parallelism: each rank of an `ep` group (cut out of `dp_shard × cp`) holds
+    /// `n_experts / ep` of every block's experts.
+    pub ep: i64,
     pub sequence_parallel: bool,
     /// FSDP: free gathered block parameters after forward (ZeRO-3) or keep them for backward.
     pub reshard_after_forward: bool,
@@ -310,6 +313,7 @@ impl Default for ParallelCfg {
             dp_shard: -1,
             cp: 1,
             tp: 1,
+            ep: 1,
             sequence_parallel: false,
             reshard_after_forward: true,
             overlap: true,

@@ -21,6 +21,9 @@ pub struct Layout {
     pub dp_shard: usize,
     pub cp: usize,
     pub tp: usize,
+    /// Expert parallelism: the experts split over `ep` ranks cut out of `dp_shard × cp`
+    /// (not a factor of the world).
+    pub ep: usize,
 }
 
 impl Layout {
@@ -34,6 +37,10 @@ impl Layout {
     /// Parameter-sharding degree: `dp_shard × cp` (the `fsdp` group).
     pub fn fsdp(&self) -> usize {
         self.dp_shard * self.cp
+    }
+    /// Sharding degree of each expert's weights: `dp_shard × cp / ep` (the `expert_fsdp` group).
+    pub fn expert_fsdp(&self) -> usize {
+        self.fsdp() / self.ep
     }
 }
 
@@ -188,14 +195,15 @@ impl Deck {
         let (lr, lr_line) = self.scaled_lr(global_batch)?;
         let stage_layers = self.check_pipeline(&layout, grad_accum)?;
 
-        let Layout { pp, dp_replicate, dp_shard, cp, tp } = layout;
+        let Layout { pp, dp_replicate, dp_shard, cp, tp, ep } = layout;
         let pp_part = if pp > 1 { format!("pp({pp}) × ") } else { String::new() };
         let mut summary = vec![
             format!(
-                "layout: {pp_part}dp_replicate({dp_replicate}) × dp_shard({dp_shard}) × cp({cp}) × tp({tp}) = {} (dp = {}, fsdp = {}{})",
+                "layout: {pp_part}dp_replicate({dp_replicate}) × dp_shard({dp_shard}) × cp({cp}) × tp({tp}) = {} (dp = {}, fsdp = {}{}{})",
                 ranks(world_size),
                 layout.dp(),
                 layout.fsdp(),
+                if ep > 1 { format!(", ep = {ep}, expert fsdp = {}", layout.expert_fsdp()) } else { String::new() },
                 if self.parallel.sequence_parallel { ", sequence parallel" } else { "" }
             ),
             format!(
@@ -332,9 +340,36 @@ impl Deck {
         non_negative_finite("model", "router_bias_update_rate", m.router_bias_update_rate)
     }
 
+    /// `ep` cuts groups of experts out of the `dp_shard × cp` ranks: it needs experts, must
+    /// divide that product, and must divide the experts evenly.
+    fn check_expert_parallel(&self, l: &Layout) -> Result<(), ConfigError> {
+        let (m, ep) = (&self.model, l.ep);
+        if ep == 1 {
+            return Ok(());
+        }
+        need(m.is_moe(), || {
+            err(format!("[parallel] ep({ep}) splits experts, but n_experts = 0 (a dense model has none)"))
+                .with_hint("set ep = 1, or give the model experts ([model] n_experts)")
+        })?;
+        let (s, cp) = (l.dp_shard, l.cp);
+        need(l.fsdp() % ep == 0, || {
+            let ds: Vec<String> = (1..=l.fsdp()).filter(|d| l.fsdp() % d == 0).map(|d| d.to_string()).collect();
+            err(format!("[parallel] ep({ep}) does not divide dp_shard({s}) × cp({cp}) = {}; the ep ranks are cut out of those", l.fsdp()))
+                .with_hint(format!("use ep in {{{}}}, or raise dp_shard", ds.join(", ")))
+        })?;
+        need(m.n_experts % ep == 0, || {
+            err(format!(
+                "[model] n_experts({}) is not divisible by [parallel] ep({ep}); each ep rank holds n_experts / ep experts",
+                m.n_experts
+            ))
+        })
+    }
+
     fn check_parallel(&self) -> Result<(), ConfigError> {
         let p = &self.parallel;
-        for (key, v) in [("pp", p.pp), ("pp_virtual", p.pp_virtual), ("dp_replicate", p.dp_replicate), ("cp", p.cp), ("tp", p.tp)] {
+        for (key, v) in
+            [("pp", p.pp), ("pp_virtual", p.pp_virtual), ("dp_replicate", p.dp_replicate), ("cp", p.cp), ("tp", p.tp), ("ep", p.ep)]
+        {
             need(v >= 1, || err(format!("[parallel] {key} must be ≥ 1, but it is {v}")))?;
         }
         need(p.dp_shard >= 1 || p.dp_shard == -1, || {
@@ -470,12 +505,14 @@ impl Deck {
             })?;
             s
         };
-        Ok(Layout { pp, dp_replicate: r, dp_shard, cp, tp })
+        let ep = deg(p.ep, "ep")?;
+        Ok(Layout { pp, dp_replicate: r, dp_shard, cp, tp, ep })
     }
 
     /// Rules between the degrees and the model or the sequence length.
     fn check_layout(&self, l: &Layout) -> Result<(), ConfigError> {
         let (m, t) = (&self.model, &self.train);
+        self.check_expert_parallel(l)?;
         let tp = l.tp;
         let divisors = || {
             let g = gcd(gcd(m.n_heads, m.n_kv_heads), m.ffn_hidden);
@@ -623,7 +660,7 @@ mod tests {
     #[test]
     fn default_deck_fills_the_world_with_dp_shard() {
         let r = Deck::default().resolve(4).unwrap();
-        assert_eq!(r.layout, Layout { pp: 1, dp_replicate: 1, dp_shard: 4, cp: 1, tp: 1 });
+        assert_eq!(r.layout, Layout { pp: 1, dp_replicate: 1, dp_shard: 4, cp: 1, tp: 1, ep: 1 });
         assert_eq!((r.grad_accum, r.global_batch, r.tokens_per_step), (1, 4, 4 * 64));
         assert_eq!(r.summary[0], "layout: dp_replicate(1) × dp_shard(4) × cp(1) × tp(1) = 4 ranks (dp = 4, fsdp = 4)");
         assert_eq!(r.summary[1], "effective batch = micro_batch(1) × grad_accum(1) × dp(4) = 4 sequences = 256 tokens");

@@ -147,11 +147,47 @@ impl SequenceShards for WholeSequences {
     }
 }
 
+/// The all-to-all of expert parallelism: the ranks of an `ep` group each hold
+/// `n_experts / ep` experts, and send every routed row to the rank holding its expert.
+/// One rank ([`AllExpertsHere`]): degree 1, and the model never exchanges.
+pub trait ExpertExchange<V> {
+    /// Ranks the experts are split over.
+    fn degree(&self) -> usize;
+    /// This rank's place among them (it holds experts `rank·E/degree..(rank+1)·E/degree`).
+    fn rank(&self) -> usize;
+    /// `send [degree][k]` host integers, block q to rank q; returns `[degree][k]`, block p
+    /// from rank p (the routed counts each rank sends to each expert).
+    fn exchange_counts(&self, send: &[u64]) -> Vec<u64>;
+    /// Sends `send_counts[q]` elements of `send` (rank by rank) to rank q, and receives
+    /// `recv_counts[p]` elements from rank p into `recv` (rank by rank; resized to their sum).
+    fn exchange_rows(&self, send: &V, send_counts: &[usize], recv: &mut V, recv_counts: &[usize]);
+}
+
+/// Every expert is on this rank.
+pub struct AllExpertsHere;
+
+impl<V> ExpertExchange<V> for AllExpertsHere {
+    fn degree(&self) -> usize {
+        1
+    }
+    fn rank(&self) -> usize {
+        0
+    }
+    fn exchange_counts(&self, send: &[u64]) -> Vec<u64> {
+        send.to_vec()
+    }
+    fn exchange_rows(&self, _send: &V, _send_counts: &[usize], _recv: &mut V, _recv_counts: &[usize]) {
+        panic!("a rank holding every expert routes its rows locally: the model never exchanges them at degree 1");
+    }
+}
+
 /// How one rank's model meets the other ranks during a pass.
 pub struct Hooks<'a, T: Real, B: Backend<T>> {
     pub tp: &'a dyn TensorParallel<B::Buf>,
     pub attention: &'a dyn AttentionSchedule<T, B>,
     pub sequences: &'a dyn SequenceShards,
+    /// Where the routed rows of a mixture of experts go: to the `ep` rank holding the expert.
+    pub experts: &'a dyn ExpertExchange<B::Buf>,
     /// Balancing without an auxiliary loss: each expert block's selection bias `[E]`, by its
     /// index among the expert blocks (empty: no bias).
     pub router_bias: &'a [Vec<f64>],
@@ -175,7 +211,14 @@ pub fn no_progress() {}
 impl<T: Real, B: Backend<T>> Hooks<'static, T, B> {
     /// One rank: every hook is the identity or the local kernel.
     pub fn one_rank() -> Self {
-        Hooks { tp: &OneRank, attention: &LocalAttention, sequences: &WholeSequences, router_bias: &[], progress: no_progress }
+        Hooks {
+            tp: &OneRank,
+            attention: &LocalAttention,
+            sequences: &WholeSequences,
+            experts: &AllExpertsHere,
+            router_bias: &[],
+            progress: no_progress,
+        }
     }
 }
 

@@ -173,6 +173,8 @@ impl Dims {
                 first_dense: cfg.first_dense_layers,
                 aux_coef: cfg.router_aux_loss_coef,
                 bias_rate: cfg.router_bias_update_rate,
+                ep: 1,
+                ep_rank: 0,
             }),
             rope_theta: cfg.rope_theta,
             norm_eps: cfg.norm_eps,
@@ -198,6 +200,16 @@ impl Dims {
         self.embed || (self.head && self.tie)
     }
 
+    /// The same piece holding only the experts of rank `ep_rank` of an `ep` group
+    /// (`n_experts / ep` consecutive experts of every expert block).
+    pub fn with_expert_parallel(mut self, ep: usize, ep_rank: usize) -> Dims {
+        if let Some(e) = self.moe.as_mut() {
+            assert!(e.router.experts % ep == 0 && ep_rank < ep, "ep({ep}) divides the experts (the deck is checked)");
+            (e.ep, e.ep_rank) = (ep, ep_rank);
+        }
+        self
+    }
+
     /// Block `layer` (its global index) routes tokens to experts.
     pub fn moe_layer(&self, layer: usize) -> bool {
         self.moe.as_ref().is_some_and(|e| layer >= e.first_dense)
@@ -214,7 +226,7 @@ impl Dims {
     }
 }
 
-/// A mixture of experts' sizes (the same on every rank: experts are whole on each rank).
+/// A mixture of experts' sizes, and which experts this rank holds (each one whole).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeDims {
     pub router: RouterShape,
@@ -226,6 +238,22 @@ pub struct MoeDims {
     pub aux_coef: f64,
     /// `router_bias_update_rate`.
     pub bias_rate: f64,
+    /// Ranks the experts are split over (`[parallel] ep`), and this rank's place among them.
+    pub ep: usize,
+    pub ep_rank: usize,
+}
+
+impl MoeDims {
+    /// Experts each rank of the `ep` group holds.
+    pub fn local_count(&self) -> usize {
+        self.router.experts / self.ep
+    }
+
+    /// The experts this rank holds (global indices).
+    pub fn local_experts(&self) -> std::ops::Range<usize> {
+        let n = self.local_count();
+        self.ep_rank * n..(self.ep_rank + 1) * n
+    }
 }
 
 /// How tensor parallelism cuts a tensor.
@@ -324,7 +352,7 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
             Some(e) => {
                 let (n, fe) = (e.router.experts, e.ffn);
                 out.push(spec(format!("{p}mlp.gate.weight"), vec![n, d], Replicated, ParamKind::Matrix));
-                for j in 0..n {
+                for j in e.local_experts() {
                     let x = format!("{p}mlp.experts.{j}.");
                     out.push(spec(format!("{x}gate_proj.weight"), vec![fe, d], Replicated, ParamKind::Matrix));
                     out.push(spec(format!("{x}up_proj.weight"), vec![fe, d], Replicated, ParamKind::Matrix));
@@ -414,7 +442,8 @@ impl<V> Layer<V> {
             down_proj: alloc(d * f),
             moe: moe.map(|e| Experts {
                 gate: alloc(e.router.experts * d),
-                experts: (0..e.router.experts)
+                experts: e
+                    .local_experts()
                     .map(|_| Expert { gate_proj: alloc(e.ffn * d), up_proj: alloc(e.ffn * d), down_proj: alloc(d * e.ffn) })
                     .collect(),
             }),

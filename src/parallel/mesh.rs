@@ -30,6 +30,8 @@ pub enum GroupKind {
     DpRep,
     Batch,
     Pp,
+    Ep,
+    ExpertFsdp,
 }
 
 impl Coords {
@@ -59,6 +61,11 @@ impl Coords {
         self.r * l.dp_shard + self.s
     }
 
+    /// The rank's coordinate in its `fsdp` group: `s·cp + c`.
+    fn flat_fsdp(&self, l: &Layout) -> usize {
+        self.s * l.cp + self.c
+    }
+
     /// `(color, key)` for `MPI_Comm_split`: equal colour = same group; key = coordinate in it.
     pub fn color_key(&self, g: GroupKind, l: &Layout) -> (usize, usize) {
         let Coords { p, r, s, c, t } = *self;
@@ -72,6 +79,12 @@ impl Coords {
             GroupKind::DpRep => (stage(stage_size / l.dp_replicate, (s * l.cp + c) * l.tp + t), r),
             GroupKind::Batch => (stage(l.cp * l.tp, c * l.tp + t), r * l.dp_shard + s),
             GroupKind::Pp => (self.in_stage(l), p),
+            GroupKind::Ep => {
+                (stage(stage_size / l.ep, (r * l.tp + t) * (l.fsdp() / l.ep) + self.flat_fsdp(l) / l.ep), self.flat_fsdp(l) % l.ep)
+            }
+            GroupKind::ExpertFsdp => {
+                (stage(l.dp_replicate * l.tp * l.ep, (r * l.tp + t) * l.ep + self.flat_fsdp(l) % l.ep), self.flat_fsdp(l) / l.ep)
+            }
         }
     }
 }
@@ -88,6 +101,10 @@ pub struct Mesh {
     pub batch: Group,
     /// One pipeline: the ranks of every stage at this rank's place in its stage.
     pub pp: Group,
+    /// The ranks that split the experts between them (`ep` of the `fsdp` group's).
+    pub ep: Group,
+    /// The ranks that shard the same experts' weights (`fsdp / ep` of them).
+    pub expert_fsdp: Group,
     /// Ranks on this node (for threads per rank and the GPU each rank takes).
     pub node: Group,
 }
@@ -108,13 +125,15 @@ impl Mesh {
         let dp_rep = split("dp_rep", GroupKind::DpRep);
         let batch = split("batch", GroupKind::Batch);
         let pp = split("pp", GroupKind::Pp);
+        let ep = split("ep", GroupKind::Ep);
+        let expert_fsdp = split("expert_fsdp", GroupKind::ExpertFsdp);
         let node = node_group(&world);
-        Mesh { layout, coords, world, tp, cp, fsdp, dp_rep, batch, pp, node }
+        Mesh { layout, coords, world, tp, cp, fsdp, dp_rep, batch, pp, ep, expert_fsdp, node }
     }
 
     /// Every group with its name, for counters and logs.
-    pub fn groups(&self) -> [&Group; 6] {
-        [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.batch, &self.pp]
+    pub fn groups(&self) -> [&Group; 8] {
+        [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.batch, &self.pp, &self.ep, &self.expert_fsdp]
     }
 }
 
@@ -174,7 +193,7 @@ mod tests {
     }
 
     fn layout() -> Layout {
-        Layout { pp: 2, dp_replicate: 2, dp_shard: 3, cp: 2, tp: 2 }
+        Layout { pp: 2, dp_replicate: 2, dp_shard: 3, cp: 2, tp: 2, ep: 3 }
     }
 
     #[test]
@@ -200,6 +219,8 @@ mod tests {
             (GroupKind::DpRep, l.dp_replicate),
             (GroupKind::Batch, l.dp_replicate * l.dp_shard),
             (GroupKind::Pp, l.pp),
+            (GroupKind::Ep, l.ep),
+            (GroupKind::ExpertFsdp, l.expert_fsdp()),
         ];
         for (g, size) in sizes {
             let mut by_color: std::collections::BTreeMap<usize, Vec<(usize, Coords)>> = Default::default();
@@ -223,6 +244,10 @@ mod tests {
                         GroupKind::DpRep => (m.p, m.s, m.c, m.t) == (first.p, first.s, first.c, first.t),
                         GroupKind::Batch => (m.p, m.c, m.t) == (first.p, first.c, first.t),
                         GroupKind::Pp => (m.r, m.s, m.c, m.t) == (first.r, first.s, first.c, first.t),
+                        GroupKind::Ep => (m.p, m.r, m.t, m.flat_fsdp(&l) / l.ep) == (first.p, first.r, first.t, first.flat_fsdp(&l) / l.ep),
+                        GroupKind::ExpertFsdp => {
+                            (m.p, m.r, m.t, m.flat_fsdp(&l) % l.ep) == (first.p, first.r, first.t, first.flat_fsdp(&l) % l.ep)
+                        }
                     };
                     assert!(same, "{g:?}: {m:?} vs {first:?}");
                 }

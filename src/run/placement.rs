@@ -298,7 +298,7 @@ mod tests {
     #[test]
     fn planned_nodes_name_the_groups_that_span_them() {
         use crate::config::Layout;
-        let layout = |cp, tp| Layout { pp: 1, dp_replicate: 1, dp_shard: 4 / (cp * tp), cp, tp };
+        let layout = |cp, tp| Layout { pp: 1, dp_replicate: 1, dp_shard: 4 / (cp * tp), cp, tp, ep: 1 };
         let lines = groups_across_planned_nodes(2, &layout(2, 2));
         assert!(lines.iter().any(|l| l.starts_with("warning: 2 of 2 cp group(s) span nodes")), "{lines:?}");
         assert!(!lines.iter().any(|l| l.contains(" tp group")), "{lines:?}");
@@ -373,15 +373,15 @@ mod tests {
             nodes_line(&places),
             "nodes: 2, 4 ranks per node; h:node0: ranks 0-3 (node-local 0-3); h:node1: ranks 4-7 (node-local 0-3)"
         );
-        let fsdp = Layout { pp: 1, dp_replicate: 1, dp_shard: 4, cp: 1, tp: 2 };
+        let fsdp = Layout { pp: 1, dp_replicate: 1, dp_shard: 4, cp: 1, tp: 2, ep: 1 };
         let lines = groups_across_nodes(&places, &fsdp);
         assert!(lines.iter().all(|l| !l.starts_with("warning")), "{lines:?}");
         assert!(lines.iter().any(|l| l == "nodes: 2 of 2 fsdp group(s) span nodes (up to 2 nodes each)"), "{lines:?}");
-        let tp = Layout { pp: 1, dp_replicate: 1, dp_shard: 1, cp: 1, tp: 8 };
+        let tp = Layout { pp: 1, dp_replicate: 1, dp_shard: 1, cp: 1, tp: 8, ep: 1 };
         assert!(groups_across_nodes(&places, &tp)[0].starts_with("warning: 1 of 1 tp group(s) span nodes (up to 2 nodes each)"));
         let mut two: Vec<Place> = (0..2).map(|r| place("h", r, vec![r], 1)).collect();
         pretend_hosts(&mut two, 1);
-        let cp = Layout { pp: 1, dp_replicate: 1, dp_shard: 1, cp: 2, tp: 1 };
+        let cp = Layout { pp: 1, dp_replicate: 1, dp_shard: 1, cp: 2, tp: 1, ep: 1 };
         assert!(groups_across_nodes(&two, &cp)[0].starts_with("warning: 1 of 1 cp group(s) span nodes"));
         let one_node: Vec<Place> = (0..8).map(|r| place("h", r, vec![r], 1)).collect();
         assert!(groups_across_nodes(&one_node, &tp).is_empty());

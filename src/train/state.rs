@@ -54,11 +54,11 @@ impl<'g, B: Backend<f32> + Clone> ModelState<'g, B> {
         replica_leader: bool,
     ) -> Self {
         let mut params = match start {
-            Start::Seeded(seed) => FsdpParams::init(be, dims, seed, comms.fsdp, reshard_after_forward),
-            Start::Empty => FsdpParams::zeros(be, dims, comms.fsdp, reshard_after_forward),
+            Start::Seeded(seed) => FsdpParams::init(be, dims, seed, (comms.fsdp, comms.expert_fsdp), reshard_after_forward),
+            Start::Empty => FsdpParams::zeros(be, dims, (comms.fsdp, comms.expert_fsdp), reshard_after_forward),
         };
         params.overlap = overlap;
-        let mut grads = FsdpGrads::new(be, dims, comms.fsdp, comms.dp_rep);
+        let mut grads = FsdpGrads::new(be, dims, (comms.fsdp, comms.expert_fsdp), comms.dp_rep);
         grads.overlap = overlap;
         let _for = crate::backend::allocating("AdamW moments", None);
         let moments = || params.plan.units.iter().map(|u| be.zeros(u.shard_len)).collect();

@@ -118,6 +118,7 @@ impl<'g, B: Backend<f32>> Strategies<'g, B> {
             tp: &self.tp,
             attention: self.attention.as_ref(),
             sequences: &self.sequences,
+            experts: self.comms.ep,
             router_bias: &[],
             progress: crate::parallel::comm::progress,
         }

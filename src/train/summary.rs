@@ -149,6 +149,7 @@ pub(super) fn export_hf<B: Backend<f32> + Clone>(res: &Resolved, mesh: &Mesh, st
         be.download(t, &mut host);
         host
     });
+    let local = crate::parallel::ep::with_every_expert(local, &mesh.ep);
     let full = crate::parallel::tp::global_from_local(&local, &res.deck.model, &mesh.tp);
     if mesh.world.rank() == 0 {
         let dir = Path::new(&res.deck.checkpoint.export_hf);

@@ -49,9 +49,10 @@ impl ShardBlock {
 pub fn shard_blocks(plan: &ShardPlan, m: &Dims, replica_leader: bool) -> Vec<ShardBlock> {
     let specs = param_specs_local(m);
     let mut out = vec![];
-    for t in plan.units.iter().flat_map(|u| &u.tensors) {
+    let tensors = plan.units.iter().enumerate().flat_map(|(u, unit)| unit.tensors.iter().map(move |t| (u, t)));
+    for (u, t) in tensors {
         let spec = &specs[t.spec_index];
-        let rows = t.owned_rows(plan.rank);
+        let rows = t.owned_rows(plan.unit_rank(u));
         let n = rows.len();
         let (start, count) = match (spec.split, spec.global_shape.len()) {
             (_, 1) => (vec![rows.start], vec![n]),

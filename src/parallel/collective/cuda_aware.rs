@@ -5,7 +5,7 @@
 //! are counted by the group as on the host. A failed device call is recorded on the backend,
 //! which reports it when the step synchronises.
 
-use super::{Collective, Finished, MeshCollectives};
+use super::{Collective, Finished, MeshCollectives, Staged};
 use crate::backend::cuda::backend::{DevBuf, GpuBackend};
 use crate::backend::Backend;
 use crate::parallel::comm::{Group, RawCollective, Ticket};
@@ -135,15 +135,25 @@ pub struct CudaAwareMesh<'g> {
     cp: CudaAwareGroup<'g>,
     fsdp: CudaAwareGroup<'g>,
     dp_rep: CudaAwareGroup<'g>,
+    expert_fsdp: CudaAwareGroup<'g>,
+    /// Expert parallelism's all-to-all, staged through the host (`docs/gpu.md`).
+    ep: Staged<'g, GpuBackend>,
 }
 
 impl<'g> CudaAwareMesh<'g> {
     pub fn new(be: &GpuBackend, mesh: &'g Mesh) -> Self {
         let g = |group| CudaAwareGroup::new(be, group);
-        CudaAwareMesh { tp: g(&mesh.tp), cp: g(&mesh.cp), fsdp: g(&mesh.fsdp), dp_rep: g(&mesh.dp_rep) }
+        CudaAwareMesh {
+            tp: g(&mesh.tp),
+            cp: g(&mesh.cp),
+            fsdp: g(&mesh.fsdp),
+            dp_rep: g(&mesh.dp_rep),
+            expert_fsdp: g(&mesh.expert_fsdp),
+            ep: Staged::new(be.clone(), &mesh.ep),
+        }
     }
 
     pub fn collectives(&self) -> MeshCollectives<'_, DevBuf<f32>> {
-        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep }
+        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep, expert_fsdp: &self.expert_fsdp, ep: &self.ep }
     }
 }

@@ -21,6 +21,7 @@ pub use staged::{Staged, StagedMesh};
 use super::comm::{Group, Ticket};
 use super::mesh::Mesh;
 use crate::config::CommBackend;
+use crate::model::hooks::ExpertExchange;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -112,6 +113,22 @@ impl Collective<Vec<f32>> for Group {
     }
 }
 
+impl ExpertExchange<Vec<f32>> for Group {
+    fn degree(&self) -> usize {
+        self.size()
+    }
+    fn rank(&self) -> usize {
+        Group::rank(self)
+    }
+    fn exchange_counts(&self, send: &[u64]) -> Vec<u64> {
+        self.all_to_all_u64(send)
+    }
+    fn exchange_rows(&self, send: &Vec<f32>, send_counts: &[usize], recv: &mut Vec<f32>, recv_counts: &[usize]) {
+        recv.resize(recv_counts.iter().sum(), 0.0);
+        self.all_to_all_v_f32(send, send_counts, recv, recv_counts);
+    }
+}
+
 /// The buffers of collectives whose completion is ordered by other means than MPI requests —
 /// run blocking, or on a device ordered by its events: the buffers until waited for, and each
 /// ring exchange's received block until finished.
@@ -159,12 +176,16 @@ pub struct MeshCollectives<'a, V> {
     pub cp: &'a dyn Collective<V>,
     pub fsdp: &'a dyn Collective<V>,
     pub dp_rep: &'a dyn Collective<V>,
+    /// Shards each expert's weights (the `fsdp` group's ranks that hold the same experts).
+    pub expert_fsdp: &'a dyn Collective<V>,
+    /// Moves the routed rows between the ranks holding different experts.
+    pub ep: &'a dyn ExpertExchange<V>,
 }
 
 impl<V> MeshCollectives<'_, V> {
     /// Every group's [`Collective::settle`].
     pub fn settle(&self) {
-        for c in [self.tp, self.cp, self.fsdp, self.dp_rep] {
+        for c in [self.tp, self.cp, self.fsdp, self.dp_rep, self.expert_fsdp] {
             c.settle();
         }
     }
@@ -173,7 +194,7 @@ impl<V> MeshCollectives<'_, V> {
 impl<'g> MeshCollectives<'g, Vec<f32>> {
     /// The mesh's groups themselves: MPI on host vectors.
     pub fn host(mesh: &'g Mesh) -> Self {
-        MeshCollectives { tp: &mesh.tp, cp: &mesh.cp, fsdp: &mesh.fsdp, dp_rep: &mesh.dp_rep }
+        MeshCollectives { tp: &mesh.tp, cp: &mesh.cp, fsdp: &mesh.fsdp, dp_rep: &mesh.dp_rep, expert_fsdp: &mesh.expert_fsdp, ep: &mesh.ep }
     }
 }
 

@@ -18,7 +18,7 @@
 //! reports it when the step synchronises. NCCL needs one GPU per rank; [`super::choose`]
 //! chooses it only then.
 
-use super::{Collective, Finished, MeshCollectives};
+use super::{Collective, Finished, MeshCollectives, Staged};
 use crate::backend::cuda::backend::{DevBuf, GpuBackend};
 use crate::backend::cuda::comm::{CommStream, Event};
 use crate::backend::cuda::nccl::{AsyncErrors, NcclComm, NcclId};
@@ -253,6 +253,9 @@ pub struct NcclMesh<'g> {
     cp: NcclGroup<'g>,
     fsdp: NcclGroup<'g>,
     dp_rep: NcclGroup<'g>,
+    expert_fsdp: NcclGroup<'g>,
+    /// Expert parallelism's all-to-all, staged through the host (`docs/gpu.md`).
+    ep: Staged<'g, GpuBackend>,
 }
 
 impl<'g> NcclMesh<'g> {
@@ -265,15 +268,17 @@ impl<'g> NcclMesh<'g> {
             cp: NcclGroup::new(be, &mesh.cp, &stream)?,
             fsdp: NcclGroup::new(be, &mesh.fsdp, &stream)?,
             dp_rep: NcclGroup::new(be, &mesh.dp_rep, &stream)?,
+            expert_fsdp: NcclGroup::new(be, &mesh.expert_fsdp, &stream)?,
+            ep: Staged::new(be.clone(), &mesh.ep),
         })
     }
 
     pub fn collectives(&self) -> MeshCollectives<'_, DevBuf<f32>> {
-        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep }
+        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep, expert_fsdp: &self.expert_fsdp, ep: &self.ep }
     }
 
-    fn groups(&self) -> [&NcclGroup<'g>; 4] {
-        [&self.tp, &self.cp, &self.fsdp, &self.dp_rep]
+    fn groups(&self) -> [&NcclGroup<'g>; 5] {
+        [&self.tp, &self.cp, &self.fsdp, &self.dp_rep, &self.expert_fsdp]
     }
 
     /// What another thread polls for each communicator's asynchronous errors (a peer gone),
@@ -288,7 +293,7 @@ impl<'g> NcclMesh<'g> {
     pub fn close(self, world: &Group) -> Result<(), String> {
         world.barrier();
         let mut first_error = Ok(());
-        for g in [self.tp, self.cp, self.fsdp, self.dp_rep] {
+        for g in [self.tp, self.cp, self.fsdp, self.dp_rep, self.expert_fsdp] {
             let name = g.group.name();
             if let Err(e) = g.comm.finish() {
                 first_error = first_error.and(Err(format!("{name}: {e}")));

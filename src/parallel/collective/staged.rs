@@ -3,6 +3,7 @@
 
 use super::{Buffers, Collective, MeshCollectives};
 use crate::backend::{Backend, Fence};
+use crate::model::hooks::ExpertExchange;
 use crate::parallel::comm::{Group, Ticket};
 use crate::parallel::mesh::Mesh;
 use std::cell::RefCell;
@@ -233,22 +234,54 @@ impl<B: Backend<f32>> Collective<B::Buf> for Staged<'_, B> {
     }
 }
 
+/// Expert parallelism's all-to-all through host copies: the device path of every
+/// communication backend (`docs/gpu.md`).
+impl<B: Backend<f32>> ExpertExchange<B::Buf> for Staged<'_, B> {
+    fn degree(&self) -> usize {
+        self.group.size()
+    }
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+    fn exchange_counts(&self, send: &[u64]) -> Vec<u64> {
+        self.group.all_to_all_u64(send)
+    }
+    fn exchange_rows(&self, send: &B::Buf, send_counts: &[usize], recv: &mut B::Buf, recv_counts: &[usize]) {
+        let h = self.down(send);
+        self.be.resize(recv, recv_counts.iter().sum());
+        let mut r = self.stage(self.be.len(recv));
+        self.group.all_to_all_v_f32(&h, send_counts, &mut r, recv_counts);
+        self.be.upload(recv, &r);
+        self.unstage(h);
+        self.unstage_uploaded(r);
+    }
+}
+
 /// The mesh's groups as [`Staged`] collectives on backend `B`.
 pub struct StagedMesh<'g, B: Backend<f32>> {
     tp: Staged<'g, B>,
     cp: Staged<'g, B>,
     fsdp: Staged<'g, B>,
     dp_rep: Staged<'g, B>,
+    expert_fsdp: Staged<'g, B>,
+    ep: Staged<'g, B>,
 }
 
 impl<'g, B: Backend<f32> + Clone> StagedMesh<'g, B> {
     pub fn new(be: &B, mesh: &'g Mesh) -> Self {
         let staged = |g| Staged::new(be.clone(), g);
-        StagedMesh { tp: staged(&mesh.tp), cp: staged(&mesh.cp), fsdp: staged(&mesh.fsdp), dp_rep: staged(&mesh.dp_rep) }
+        StagedMesh {
+            tp: staged(&mesh.tp),
+            cp: staged(&mesh.cp),
+            fsdp: staged(&mesh.fsdp),
+            dp_rep: staged(&mesh.dp_rep),
+            expert_fsdp: staged(&mesh.expert_fsdp),
+            ep: staged(&mesh.ep),
+        }
     }
 
     pub fn collectives(&self) -> MeshCollectives<'_, B::Buf> {
-        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep }
+        MeshCollectives { tp: &self.tp, cp: &self.cp, fsdp: &self.fsdp, dp_rep: &self.dp_rep, expert_fsdp: &self.expert_fsdp, ep: &self.ep }
     }
 }
 

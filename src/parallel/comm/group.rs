@@ -3,7 +3,7 @@
 use super::nonblocking::InFlight;
 use super::{waiting, RawComm};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
-use mpi::datatype::{Equivalence, PartitionMut};
+use mpi::datatype::{Equivalence, Partition, PartitionMut};
 use mpi::raw::AsRaw;
 use mpi::topology::{Color, Communicator, SimpleCommunicator};
 use std::cell::RefCell;
@@ -162,6 +162,46 @@ impl Group {
         let start = Instant::now();
         waiting(|| self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum()));
         self.record("reduce_scatter", std::mem::size_of_val(send), start);
+    }
+
+    /// Every rank's `send[q·k..(q+1)·k]` goes to rank q, where `k = send.len() / size`: returns
+    /// `[size][k]`, block p from rank p. Routing counts (a few integers per rank): not counted.
+    pub fn all_to_all_u64(&self, send: &[u64]) -> Vec<u64> {
+        assert_eq!(send.len() % self.size, 0, "all_to_all: send must hold size blocks");
+        if self.size == 1 {
+            return send.to_vec();
+        }
+        let mut recv = vec![0u64; send.len()];
+        waiting(|| self.comm.all_to_all_into(send, &mut recv[..]));
+        recv
+    }
+
+    /// Sends `send_counts[q]` elements of `send` (consecutive, rank by rank) to rank q and
+    /// receives `recv_counts[p]` from rank p into `recv` (rank by rank). Counted bytes: what
+    /// leaves this rank for the others (its own block is copied, not sent).
+    pub fn all_to_all_v_f32(&self, send: &[f32], send_counts: &[usize], recv: &mut [f32], recv_counts: &[usize]) {
+        assert_eq!((send_counts.len(), recv_counts.len()), (self.size, self.size), "all_to_all_v: one count per rank");
+        assert_eq!(send.len(), send_counts.iter().sum::<usize>(), "all_to_all_v: send holds the sum of the counts");
+        assert_eq!(recv.len(), recv_counts.iter().sum::<usize>(), "all_to_all_v: recv holds the sum of the counts");
+        let displs = |c: &[usize]| -> Vec<i32> { c.iter().scan(0, |at, &n| Some(std::mem::replace(at, *at + n as i32))).collect() };
+        if self.size == 1 {
+            recv.copy_from_slice(send);
+            return;
+        }
+        let start = Instant::now();
+        let (sc, rc): (Vec<i32>, Vec<i32>) =
+            (send_counts.iter().map(|&n| n as i32).collect(), recv_counts.iter().map(|&n| n as i32).collect());
+        let (sd, rd) = (displs(send_counts), displs(recv_counts));
+        // Empty vectors share one dangling address, which Open MPI refuses as aliased buffers:
+        // an empty side gets a one-element scratch (its counts are zero, it is never touched).
+        let (one_send, mut one_recv) = ([0f32; 1], [0f32; 1]);
+        let send = if send.is_empty() { &one_send[..] } else { send };
+        let recv: &mut [f32] = if recv.is_empty() { &mut one_recv[..] } else { recv };
+        let parts = Partition::new(send, &sc[..], &sd[..]);
+        let mut into = PartitionMut::new(recv, &rc[..], &rd[..]);
+        waiting(|| self.comm.all_to_all_varcount_into(&parts, &mut into));
+        let sent: usize = send_counts.iter().enumerate().filter(|&(q, _)| q != self.rank).map(|(_, &n)| n).sum();
+        self.record("all_to_all", sent * 4, start);
     }
 
     /// Minimum and maximum of one value across the group (for run summaries).

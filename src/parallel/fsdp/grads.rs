@@ -4,6 +4,7 @@
 //! over the micro-steps of the step, and in the step's last micro-step all-reduced over
 //! `dp_rep` unit by unit (HSDP's outer reduction, or DP's all-reduce when `fsdp` has degree 1).
 
+use super::params::Groups;
 use super::ShardPlan;
 use crate::backend::Backend;
 use crate::model::hooks::{GlobalsMut, GradSink};
@@ -17,6 +18,8 @@ pub struct FsdpGrads<'g, B: Backend<f32>> {
     m: Dims,
     be: B,
     fsdp: &'g dyn Collective<B::Buf>,
+    /// Reduces the expert units (under expert parallelism).
+    expert_fsdp: &'g dyn Collective<B::Buf>,
     dp_rep: &'g dyn Collective<B::Buf>,
     /// `[unit][shard_len]`: summed over the micro-steps of the step, then over `dp_rep`.
     pub shards: Vec<B::Buf>,
@@ -45,8 +48,8 @@ pub struct FsdpGrads<'g, B: Backend<f32>> {
 }
 
 impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
-    pub fn new(be: &B, m: &Dims, fsdp: &'g dyn Collective<B::Buf>, dp_rep: &'g dyn Collective<B::Buf>) -> Self {
-        let plan = ShardPlan::new(m, fsdp.degree(), fsdp.rank());
+    pub fn new(be: &B, m: &Dims, (fsdp, expert_fsdp): Groups<'g, B::Buf>, dp_rep: &'g dyn Collective<B::Buf>) -> Self {
+        let plan = ShardPlan::with_experts(m, (fsdp.degree(), fsdp.rank()), (expert_fsdp.degree(), expert_fsdp.rank()));
         let _for = crate::backend::allocating("gradient shards and whole-tensor gradient scratch", None);
         let shards = plan.units.iter().map(|u| be.zeros(u.shard_len)).collect();
         let scratch = |len: usize| {
@@ -58,6 +61,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
             m: m.clone(),
             be: be.clone(),
             fsdp,
+            expert_fsdp,
             dp_rep,
             shards,
             globals: Some(Params::alloc(&Dims { layers: 0, layer_ids: vec![], ..m.clone() }, |n| be.zeros(n))),
@@ -69,8 +73,8 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
             last_micro: false,
             overlap: true,
             reduce_scatter: None,
-            in_flight: (0..=m.layers).map(|_| None).collect(),
-            spare: (0..=m.layers).map(|_| B::Buf::default()).collect(),
+            in_flight: plan.units.iter().map(|_| None).collect(),
+            spare: plan.units.iter().map(|_| B::Buf::default()).collect(),
             plan,
         }
     }
@@ -110,7 +114,8 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
     fn reduce_unit(&mut self, unit: usize, full: &[&B::Buf]) {
         self.finish_reduce_scatter();
         let len = self.plan.units[unit].shard_len;
-        if self.plan.degree == 1 {
+        let degree = self.plan.unit_degree(unit);
+        if degree == 1 {
             // The whole gradient is this rank's shard: add it in place, no copies.
             for (t, src) in self.plan.units[unit].tensors.iter().zip(full) {
                 self.be.add_range(&mut self.shards[unit], t.offset, src, 0..self.be.len(src));
@@ -120,25 +125,35 @@ impl<'g, B: Backend<f32> + Clone> FsdpGrads<'g, B> {
         }
         let _for = crate::backend::allocating("gradient reduce-scatter buffers of unit", Some(unit));
         let mut send = std::mem::take(&mut self.pack_buf);
-        self.be.resize(&mut send, len * self.plan.degree);
-        for r in 0..self.plan.degree {
+        self.be.resize(&mut send, len * degree);
+        for r in 0..degree {
             self.plan.pack(&self.be, unit, full, r, &mut send, r * len);
         }
         let mut recv = std::mem::take(&mut self.recv_buf);
         self.be.resize(&mut recv, len);
+        let group = self.group_of(unit);
         if self.overlap {
-            self.reduce_scatter = Some((unit, self.last_micro, self.fsdp.start_reduce_scatter_sum(send, recv)));
+            self.reduce_scatter = Some((unit, self.last_micro, group.start_reduce_scatter_sum(send, recv)));
         } else {
-            self.fsdp.reduce_scatter_sum(&send, &mut recv);
+            group.reduce_scatter_sum(&send, &mut recv);
             (self.pack_buf, self.recv_buf) = (send, recv);
             self.add_reduced(unit, self.last_micro);
+        }
+    }
+
+    /// The group unit `unit` is cut over.
+    fn group_of(&self, unit: usize) -> &'g dyn Collective<B::Buf> {
+        if self.plan.units[unit].experts {
+            self.expert_fsdp
+        } else {
+            self.fsdp
         }
     }
 
     /// Completes the reduce-scatter in flight, if any, and adds its block into the shard.
     fn finish_reduce_scatter(&mut self) {
         if let Some((unit, last, t)) = self.reduce_scatter.take() {
-            (self.pack_buf, self.recv_buf) = self.fsdp.wait(t);
+            (self.pack_buf, self.recv_buf) = self.group_of(unit).wait(t);
             self.add_reduced(unit, last);
         }
     }
@@ -260,7 +275,11 @@ impl<B: Backend<f32> + Clone> GradSink<B::Buf> for FsdpGrads<'_, B> {
 
     fn block_done(&mut self, l: usize) {
         let block = self.block.take().expect("not lent out");
-        self.reduce_unit(l + 1, &block.tensors());
+        let (dense, experts) = self.plan.split_block(l, block.tensors());
+        self.reduce_unit(l + 1, &dense);
+        if let Some(u) = self.plan.expert_units[l] {
+            self.reduce_unit(u, &experts);
+        }
         self.block = Some(block);
         self.current = None;
         self.progress();

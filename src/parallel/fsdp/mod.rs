@@ -8,6 +8,11 @@
 //! unit `1 + l` the tensors of block `l`. A unit's shard is one flat buffer, the concatenation
 //! of its tensors' row blocks, so one all-gather and one reduce-scatter move a whole unit.
 //!
+//! Under expert parallelism (`ep > 1`) a rank holds only its `E / ep` experts of each expert
+//! block, and cuts them over the smaller `expert_fsdp` group (the `fsdp` ranks that hold the
+//! same experts): they form an expert unit of their own per expert block, after the block
+//! units, gathered and reduced over that group. The router stays in its block's unit.
+//!
 //! This file is the plan ([`ShardPlan`]: which rows of which tensor a rank owns, where they
 //! lie in its shards). [`params::FsdpParams`] hands the model gathered weights block by block
 //! (`model::hooks::WeightSource`) and frees them after use (`reshard_after_forward = true`,
@@ -66,28 +71,53 @@ impl TensorShard {
 pub struct Unit {
     pub tensors: Vec<TensorShard>,
     pub shard_len: usize,
+    /// An expert unit: cut over `expert_fsdp`, not `fsdp`.
+    pub experts: bool,
 }
 
-/// How every tensor of the model is cut across an `fsdp` group of `degree` ranks.
+/// How every tensor of the model is cut across an `fsdp` group of `degree` ranks (and the
+/// experts, under expert parallelism, across an `expert_fsdp` group of `expert_degree`).
 #[derive(Clone, Debug)]
 pub struct ShardPlan {
     pub units: Vec<Unit>,
     pub degree: usize,
     pub rank: usize,
+    pub expert_degree: usize,
+    pub expert_rank: usize,
+    /// Per block this rank holds: its expert unit, under expert parallelism.
+    pub expert_units: Vec<Option<usize>>,
 }
 
 impl ShardPlan {
-    /// The plan for this tp rank's tensors (`m`) over an fsdp group of `degree` ranks.
+    /// The plan for this tp rank's tensors (`m`) over an fsdp group of `degree` ranks, without
+    /// expert parallelism.
     pub fn new(m: &Dims, degree: usize, rank: usize) -> ShardPlan {
-        let mut units: Vec<Unit> = (0..=m.layers).map(|_| Unit { tensors: vec![], shard_len: 0 }).collect();
+        ShardPlan::with_experts(m, (degree, rank), (degree, rank))
+    }
+
+    /// The plan over an fsdp group `(degree, rank)` whose experts, under expert parallelism
+    /// (`m`'s `ep > 1`), are cut over an expert_fsdp group `(degree, rank)`.
+    pub fn with_experts(m: &Dims, (degree, rank): (usize, usize), (expert_degree, expert_rank): (usize, usize)) -> ShardPlan {
+        let ep = m.moe.as_ref().map_or(1, |e| e.ep);
+        let mut units: Vec<Unit> = (0..=m.layers).map(|_| Unit { tensors: vec![], shard_len: 0, experts: false }).collect();
+        let mut expert_units = vec![None; m.layers];
         for (i, spec) in param_specs_local(m).into_iter().enumerate() {
-            let unit = spec
+            let block = spec
                 .name
                 .strip_prefix("model.layers.")
                 .and_then(|rest| rest.split('.').next())
                 .and_then(|l| l.parse::<usize>().ok())
                 // Block names carry the global index; units follow the order this rank holds them.
-                .map_or(0, |l| 1 + m.layer_ids.iter().position(|&id| id == l).expect("a block this rank holds"));
+                .map(|l| m.layer_ids.iter().position(|&id| id == l).expect("a block this rank holds"));
+            let unit = match block {
+                None => 0,
+                Some(b) if ep > 1 && spec.name.contains(".mlp.experts.") => *expert_units[b].get_or_insert_with(|| {
+                    units.push(Unit { tensors: vec![], shard_len: 0, experts: true });
+                    units.len() - 1
+                }),
+                Some(b) => 1 + b,
+            };
+            let degree = if units[unit].experts { expert_degree } else { degree };
             let rows = spec.shape[0];
             let cols = spec.shape.get(1).copied().unwrap_or(1);
             let rows_per_rank = rows.div_ceil(degree);
@@ -107,7 +137,35 @@ impl ShardPlan {
             u.shard_len += t.shard_len();
             u.tensors.push(t);
         }
-        ShardPlan { units, degree, rank }
+        ShardPlan { units, degree, rank, expert_degree, expert_rank, expert_units }
+    }
+
+    /// The ranks unit `unit` is cut over.
+    pub fn unit_degree(&self, unit: usize) -> usize {
+        if self.units[unit].experts {
+            self.expert_degree
+        } else {
+            self.degree
+        }
+    }
+
+    /// This rank's place among them.
+    pub fn unit_rank(&self, unit: usize) -> usize {
+        if self.units[unit].experts {
+            self.expert_rank
+        } else {
+            self.rank
+        }
+    }
+
+    /// Units gathered through a buffer (those cut over more than one rank).
+    fn communicated(&self) -> impl Iterator<Item = (usize, &Unit)> + '_ {
+        self.units.iter().enumerate().filter(|&(u, _)| self.unit_degree(u) > 1)
+    }
+
+    /// Elements of block `l`'s tensors held whole (its expert unit included).
+    pub fn block_elements(&self, l: usize) -> usize {
+        self.unit_elements(l + 1) + self.expert_units[l].map_or(0, |u| self.unit_elements(u))
     }
 
     /// AdamW slots: one per tensor shard, in unit order.
@@ -120,19 +178,32 @@ impl ShardPlan {
         self.units.iter().map(|u| u.shard_len).sum()
     }
 
-    /// The largest unit shard.
+    /// The largest shard of a unit cut over more than one rank: the send buffer.
     pub fn max_shard_len(&self) -> usize {
-        self.units.iter().map(|u| u.shard_len).max().unwrap_or(0)
+        self.communicated().map(|(_, u)| u.shard_len).max().unwrap_or(0)
     }
 
-    /// The largest gathered unit (`degree` shards, padding included): the gather buffer.
+    /// The largest gathered unit (its degree's shards, padding included): the gather buffer.
     pub fn max_gathered_len(&self) -> usize {
-        self.max_shard_len() * self.degree
+        self.communicated().map(|(i, u)| u.shard_len * self.unit_degree(i)).max().unwrap_or(0)
     }
 
     /// Elements of unit `unit`'s tensors held whole (no padding).
     pub fn unit_elements(&self, unit: usize) -> usize {
         self.units[unit].tensors.iter().map(|t| t.rows * t.cols).sum()
+    }
+
+    /// Block `l`'s tensors split between its units: `(block unit, expert unit)`, the latter
+    /// empty without one (the expert tensors come last in a block's order).
+    pub fn split_block<'a, V>(&self, l: usize, mut tensors: Vec<&'a V>) -> (Vec<&'a V>, Vec<&'a V>) {
+        let experts = tensors.split_off(self.units[l + 1].tensors.len());
+        (tensors, experts)
+    }
+
+    /// [`ShardPlan::split_block`], writable.
+    pub fn split_block_mut<'a, V>(&self, l: usize, mut tensors: Vec<&'a mut V>) -> (Vec<&'a mut V>, Vec<&'a mut V>) {
+        let experts = tensors.split_off(self.units[l + 1].tensors.len());
+        (tensors, experts)
     }
 
     /// Copies the rows rank `rank` owns of every tensor of `unit` from whole tensors `full`
@@ -151,7 +222,7 @@ impl ShardPlan {
     pub(super) fn unpack<B: Backend<f32>>(&self, be: &B, unit: usize, gathered: &B::Buf, full: &mut [&mut B::Buf]) {
         let u = &self.units[unit];
         for (t, dst) in u.tensors.iter().zip(full.iter_mut()) {
-            for r in 0..self.degree {
+            for r in 0..self.unit_degree(unit) {
                 let rows = t.owned_rows(r);
                 let from = r * u.shard_len + t.offset;
                 be.copy_range(dst, rows.start * t.cols, gathered, from..from + rows.len() * t.cols);

@@ -10,6 +10,9 @@ use crate::model::params::{init_fill, param_specs_local, Dims, Layer, Params};
 use crate::parallel::collective::Collective;
 use crate::parallel::comm::Ticket;
 
+/// The collectives of the parameter shards: `(fsdp, expert_fsdp)`.
+pub type Groups<'g, V> = (&'g dyn Collective<V>, &'g dyn Collective<V>);
+
 /// Which pass the model is in: decides whether a block is freed after use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pass {
@@ -24,6 +27,8 @@ pub struct FsdpParams<'g, B: Backend<f32>> {
     pub plan: ShardPlan,
     be: B,
     fsdp: &'g dyn Collective<B::Buf>,
+    /// Gathers the expert units (under expert parallelism).
+    expert_fsdp: &'g dyn Collective<B::Buf>,
     m: Dims,
     /// `[unit][shard_len]`: what this rank owns and updates.
     pub shards: Vec<B::Buf>,
@@ -48,8 +53,8 @@ pub struct FsdpParams<'g, B: Backend<f32>> {
 
 impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
     /// Zero shards, to be filled by a load (a checkpoint, or a Hugging Face model's slices).
-    pub fn zeros(be: &B, m: &Dims, fsdp: &'g dyn Collective<B::Buf>, reshard_after_forward: bool) -> Self {
-        let plan = ShardPlan::new(m, fsdp.degree(), fsdp.rank());
+    pub fn zeros(be: &B, m: &Dims, (fsdp, expert_fsdp): Groups<'g, B::Buf>, reshard_after_forward: bool) -> Self {
+        let plan = ShardPlan::with_experts(m, (fsdp.degree(), fsdp.rank()), (expert_fsdp.degree(), expert_fsdp.rank()));
         let _for = crate::backend::allocating("parameter shards and FSDP gather buffers", None);
         let shards = plan.units.iter().map(|u| be.zeros(u.shard_len)).collect();
         // Sized once for the largest unit, so no collective ever reallocates them; none with
@@ -62,6 +67,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
         FsdpParams {
             be: be.clone(),
             fsdp,
+            expert_fsdp,
             m: m.clone(),
             shards,
             reshard_after_forward,
@@ -81,14 +87,14 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
     }
 
     /// The seeded initial model; each rank generates only the rows it owns.
-    pub fn init(be: &B, m: &Dims, seed: u64, fsdp: &'g dyn Collective<B::Buf>, reshard_after_forward: bool) -> Self {
-        let mut p = Self::zeros(be, m, fsdp, reshard_after_forward);
+    pub fn init(be: &B, m: &Dims, seed: u64, groups: Groups<'g, B::Buf>, reshard_after_forward: bool) -> Self {
+        let mut p = Self::zeros(be, m, groups, reshard_after_forward);
         let specs = param_specs_local(m);
-        let (plan, rank) = (&p.plan, p.plan.rank);
+        let plan = &p.plan;
         with_host_mut(be, p.shards.iter_mut().collect(), |shards| {
-            for (unit, shard) in plan.units.iter().zip(shards) {
+            for (u, (unit, shard)) in plan.units.iter().zip(shards).enumerate() {
                 for t in &unit.tensors {
-                    let rows = t.owned_rows(rank);
+                    let rows = t.owned_rows(plan.unit_rank(u));
                     let dst = &mut shard[t.offset..][..rows.len() * t.cols];
                     init_fill(seed, &specs[t.spec_index], m.n_layers, rows.start * t.cols, dst);
                 }
@@ -105,14 +111,15 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
     fn gather_unit(&mut self, unit: usize) {
         let len = self.plan.units[unit].shard_len;
         let _for = crate::backend::allocating("gathered parameters of unit", Some(unit));
-        self.be.resize(&mut self.gather_buf, len * self.plan.degree);
-        self.fsdp.all_gather(&self.shards[unit], &mut self.gather_buf);
+        self.be.resize(&mut self.gather_buf, len * self.plan.unit_degree(unit));
+        let group = if self.plan.units[unit].experts { self.expert_fsdp } else { self.fsdp };
+        group.all_gather(&self.shards[unit], &mut self.gather_buf);
     }
 
     /// Unit `unit` whole in packed order, once [`Self::gather_unit`] or a prefetch has filled
-    /// `gather_buf`; with fsdp degree 1 the shard itself (nothing to gather, nothing copied).
+    /// `gather_buf`; with degree 1 the shard itself (nothing to gather, nothing copied).
     fn gathered(&self, unit: usize) -> &B::Buf {
-        if self.plan.degree == 1 {
+        if self.plan.unit_degree(unit) == 1 {
             &self.shards[unit]
         } else {
             &self.gather_buf
@@ -223,10 +230,16 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
     /// or a test; training never needs them).
     pub fn gather_full(&mut self) -> Params<B::Buf> {
         let mut full = Params::alloc(&self.m, |n| self.be.zeros(n));
-        for unit in 0..self.plan.units.len() {
-            self.gather_unit(unit);
-            let mut dst = if unit == 0 { full.globals_mut(&self.m) } else { full.layers[unit - 1].tensors_mut().into_iter().collect() };
-            self.plan.unpack(&self.be, unit, &self.gather_buf, &mut dst);
+        self.gather_unit(0);
+        self.plan.unpack(&self.be, 0, self.gathered(0), &mut full.globals_mut(&self.m));
+        for l in 0..self.m.layers {
+            let (mut dense, mut experts) = self.plan.split_block_mut(l, full.layers[l].tensors_mut());
+            self.gather_unit(l + 1);
+            self.plan.unpack(&self.be, l + 1, self.gathered(l + 1), &mut dense);
+            if let Some(u) = self.plan.expert_units[l] {
+                self.gather_unit(u);
+                self.plan.unpack(&self.be, u, self.gathered(u), &mut experts);
+            }
         }
         full
     }
@@ -248,8 +261,17 @@ impl<B: Backend<f32> + Clone> WeightSource<B::Buf> for FsdpParams<'_, B> {
             if self.plan.degree > 1 && !self.finish_prefetch(l) {
                 self.gather_unit(l + 1);
             }
-            self.plan.unpack(&self.be, l + 1, self.gathered(l + 1), &mut buf.tensors_mut());
-            self.track((self.plan.unit_elements(l + 1) * 4) as isize);
+            let (mut dense, mut experts) = self.plan.split_block_mut(l, buf.tensors_mut());
+            self.plan.unpack(&self.be, l + 1, self.gathered(l + 1), &mut dense);
+            // An expert unit is gathered (blocking) after the block's own unit was unpacked:
+            // they share the gather buffer.
+            if let Some(u) = self.plan.expert_units[l] {
+                if self.plan.expert_degree > 1 {
+                    self.gather_unit(u);
+                }
+                self.plan.unpack(&self.be, u, self.gathered(u), &mut experts);
+            }
+            self.track((self.plan.block_elements(l) * 4) as isize);
             self.blocks[l] = Some(buf);
         }
         // Overlap: the block the model will ask for next is gathered while this one computes.
@@ -270,7 +292,7 @@ impl<B: Backend<f32> + Clone> WeightSource<B::Buf> for FsdpParams<'_, B> {
             return;
         }
         if let Some(b) = self.blocks[l].take() {
-            self.track(-((self.plan.unit_elements(l + 1) * 4) as isize));
+            self.track(-((self.plan.block_elements(l) * 4) as isize));
             self.spare.push(b);
         }
     }

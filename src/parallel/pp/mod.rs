@@ -58,7 +58,7 @@ pub fn chunks(stage_layers: &[usize], pp: usize, rank: usize) -> Vec<Chunk> {
 /// This rank's piece of the model's tensors (its tp piece of its pipeline stage's blocks, and
 /// the tensors outside the blocks where its stages run them), and its pipeline chunks.
 pub fn rank_pieces(res: &Resolved, mesh: &Mesh) -> (Dims, Vec<Chunk>) {
-    let whole = Dims::new(&res.deck.model, mesh.tp.size(), mesh.tp.rank());
+    let whole = Dims::new(&res.deck.model, mesh.tp.size(), mesh.tp.rank()).with_expert_parallel(mesh.ep.size(), mesh.ep.rank());
     let chunks = chunks(&res.stage_layers, mesh.pp.size(), mesh.pp.rank());
     (rank_dims(&whole, &chunks), chunks)
 }

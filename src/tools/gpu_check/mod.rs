@@ -28,7 +28,7 @@ pub fn parse_layout(text: &str, ranks: usize) -> Result<Layout, String> {
         .collect::<Option<_>>()
         .filter(|d: &Vec<usize>| d.len() == 4)
         .ok_or_else(|| format!("--layout {text:?}: expected four degrees ≥ 1, dp_replicate,dp_shard,cp,tp (e.g. 1,2,1,4)"))?;
-    let layout = Layout { pp: 1, dp_replicate: degrees[0], dp_shard: degrees[1], cp: degrees[2], tp: degrees[3] };
+    let layout = Layout { pp: 1, dp_replicate: degrees[0], dp_shard: degrees[1], cp: degrees[2], tp: degrees[3], ep: 1 };
     // Checked without overflow: a product beyond usize is simply not the number of ranks.
     let product = degrees.iter().try_fold(1usize, |p, &d| p.checked_mul(d));
     if product != Some(ranks) {

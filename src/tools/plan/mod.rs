@@ -22,7 +22,7 @@ use crate::parallel::fsdp::memory::{predicted_comm_bytes as fsdp_bytes, predicte
 use crate::parallel::fsdp::ShardPlan;
 use crate::parallel::pp::schedule::{bubble_fraction, peak_deferred, peak_in_flight};
 use crate::parallel::pp::{chunks, rank_dims, Chunk};
-use crate::parallel::{cp, tp};
+use crate::parallel::{cp, ep, tp};
 use std::collections::BTreeMap;
 
 /// What one rank of a layout needs per optimiser step (rank 0 of every group: the largest
@@ -120,7 +120,7 @@ fn stage_plan(res: &Resolved, stage: usize) -> (RankPlan, Vec<Chunk>) {
     let deck = &res.deck;
     let l = res.layout;
     let (dims, chunks) = stage_pieces(res, stage);
-    let shards = ShardPlan::new(&dims, l.fsdp(), 0);
+    let shards = shard_plan(res, &dims);
     let p = &deck.parallel;
     let in_flight = peak_in_flight(schedule_of(res), l.pp, chunks.len(), stage, res.grad_accum);
     let deferred = peak_deferred(schedule_of(res), l.pp, chunks.len(), stage, res.grad_accum);
@@ -168,13 +168,19 @@ fn stage_plan(res: &Resolved, stage: usize) -> (RankPlan, Vec<Chunk>) {
 /// Bytes per optimiser step of every collective of one rank (rank 0), keyed `group.kind`.
 pub fn predicted_comm_bytes(res: &Resolved) -> BTreeMap<String, u64> {
     let (dims, _) = stage_pieces(res, 0);
-    comm_bytes(res, &dims, &ShardPlan::new(&dims, res.layout.fsdp(), 0))
+    comm_bytes(res, &dims, &shard_plan(res, &dims))
+}
+
+/// Rank 0's shards of `dims`: over `fsdp`, its experts over `expert_fsdp`.
+fn shard_plan(res: &Resolved, dims: &Dims) -> ShardPlan {
+    let l = res.layout;
+    ShardPlan::with_experts(dims, (l.fsdp(), 0), (l.expert_fsdp(), 0))
 }
 
 /// The tensors of rank 0 of pipeline stage `stage` (its tp piece of the stage's chunks: every
 /// block without a pipeline) and its chunks.
 fn stage_pieces(res: &Resolved, stage: usize) -> (Dims, Vec<Chunk>) {
-    let whole = Dims::new(&res.deck.model, res.layout.tp, 0);
+    let whole = Dims::new(&res.deck.model, res.layout.tp, 0).with_expert_parallel(res.layout.ep, 0);
     let chunks = chunks(&res.stage_layers, res.layout.pp, stage);
     (rank_dims(&whole, &chunks), chunks)
 }
@@ -201,6 +207,10 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
     let tokens = deck.train.micro_batch * s_local;
     let chunks = res.stage_layers.len() / l.pp;
     out.extend(tp::predicted_tp_bytes(dims, tokens, res.grad_accum, recompute, sp, partial, chunks));
+    if l.ep > 1 {
+        let rows = tp::residual_rows(tokens, l.tp, sp).local;
+        out.insert("ep.all_to_all".into(), ep::predicted_all_to_all_bytes(dims, rows, res.grad_accum, recompute));
+    }
     if l.cp > 1 {
         let ring = cp::predicted_ring_bytes(dims, deck.train.micro_batch, s_local, l.cp, res.grad_accum, recompute, chunks);
         out.insert("cp.ring".into(), ring);
@@ -312,6 +322,8 @@ fn span(group: &str, l: &Layout) -> usize {
         "tp" => l.tp,
         "cp" => l.cp * l.tp,
         "fsdp" => l.dp_shard * l.cp * l.tp,
+        "ep" => l.ep * l.tp,
+        "expert_fsdp" => l.dp_shard * l.cp * l.tp,
         // Neighbouring stages are a stage's ranks apart.
         "pp" => 2 * l.world_size() / l.pp,
         _ => l.world_size(),
@@ -323,6 +335,8 @@ fn group_size(group: &str, l: &Layout) -> usize {
         "tp" => l.tp,
         "cp" => l.cp,
         "fsdp" => l.fsdp(),
+        "ep" => l.ep,
+        "expert_fsdp" => l.expert_fsdp(),
         "dp_rep" => l.dp_replicate,
         "batch" => l.dp(),
         "pp" => l.pp,
