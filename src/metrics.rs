@@ -37,8 +37,10 @@ pub fn matmul_params(cfg: &ModelCfg) -> u64 {
     let (d, f, hd) = (cfg.d_model as u64, cfg.ffn_hidden as u64, cfg.head_dim() as u64);
     let (q, kv) = (cfg.n_heads as u64 * hd, cfg.n_kv_heads as u64 * hd);
     let attention = q * d + 2 * kv * d + d * q;
-    // A mixture-of-experts block's active weights: the router and the k experts a token uses.
-    let experts = cfg.n_experts as u64 * d + cfg.experts_per_token as u64 * 3 * cfg.moe_ffn_hidden as u64 * d;
+    // A mixture-of-experts block's active weights: the router, the k experts a token uses and
+    // the shared experts every token passes.
+    let per_token = (cfg.experts_per_token + cfg.n_shared_experts) as u64;
+    let experts = cfg.n_experts as u64 * d + per_token * 3 * cfg.moe_ffn_hidden as u64 * d;
     let mlp = |l: usize| if cfg.moe_layer(l) { experts } else { 3 * f * d };
     (0..cfg.n_layers).map(|l| attention + mlp(l)).sum::<u64>() + cfg.vocab_size as u64 * d
 }

@@ -208,6 +208,40 @@ const BAD: &[Bad] = &[
         1,
         &["m:[model] first_dense_layers(3) exceeds n_layers(2)"],
     ),
+    bad_set("shared experts on a dense model", &["model.n_shared_experts=1"], 1, &["m:[model] n_shared_experts is set, but n_experts = 0"]),
+    bad_set(
+        "shared experts and a Hugging Face export",
+        &[
+            "model.n_experts=4",
+            "model.experts_per_token=2",
+            "model.moe_ffn_hidden=8",
+            "model.n_shared_experts=1",
+            "checkpoint.export_hf=hf",
+        ],
+        1,
+        &["m:[checkpoint] export_hf = \"hf\" with [model] n_shared_experts = 1: no Hugging Face family"],
+    ),
+    bad_set(
+        "shared experts not divisible over tp",
+        &["model.n_experts=4", "model.experts_per_token=2", "model.moe_ffn_hidden=9", "model.n_shared_experts=1", "parallel.tp=2"],
+        2,
+        &["m:[parallel] tp(2) does not divide the shared experts' width n_shared_experts(1) × moe_ffn_hidden(9) = 9"],
+    ),
+    // Expert parallelism.
+    bad_set("ep on a dense model", &["parallel.ep=2"], 2, &["m:[parallel] ep(2) splits experts, but n_experts = 0", "h:set ep = 1"]),
+    bad_set(
+        "ep not dividing dp_shard × cp",
+        &["model.n_experts=8", "model.experts_per_token=2", "model.moe_ffn_hidden=8", "parallel.ep=4", "parallel.dp_shard=2"],
+        2,
+        &["m:[parallel] ep(4) does not divide dp_shard(2) × cp(1) = 2", "h:use ep in {1, 2}"],
+    ),
+    bad_set(
+        "experts not divisible by ep",
+        &["model.n_experts=6", "model.experts_per_token=2", "model.moe_ffn_hidden=8", "parallel.ep=4", "parallel.dp_shard=4"],
+        4,
+        &["m:[model] n_experts(6) is not divisible by [parallel] ep(4)"],
+    ),
+    bad_set("ep zero", &["parallel.ep=0"], 1, &["m:[parallel] ep must be ≥ 1, but it is 0"]),
 ];
 
 fn overrides(set: &[&str]) -> Vec<String> {

@@ -143,3 +143,34 @@ fn bias_balancing_on_ep_2_makes_the_choices_of_one_rank() {
     let load = |name: &str| std::fs::read_to_string(d.join(name).join("expert_load.csv")).unwrap();
     assert_eq!(load("ep2"), load("one"), "the same choices every step");
 }
+
+/// Shared experts (DeepSeek's: one FFN of `n_shared_experts × moe_ffn_hidden` every row passes
+/// beside the routed experts, cut over tp like the dense MLP): TP 2 with SP, ep 2 × TP 2 with
+/// SP, and PP 2 under zero bubble with full checkpointing match one rank, with the bytes of
+/// the formulas (the shared experts bring back the MLP's tp traffic).
+#[test]
+fn shared_experts_match_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let shared = "model.n_shared_experts=2";
+    let base = train(d, "one", 1, &[shared]);
+    let layouts: &[(&str, usize, &[&str])] = &[
+        ("tp2_sp", 2, &["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"]),
+        ("ep2_tp2_sp", 4, &["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("pp2_zero_bubble_full", 2, &["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\"", "train.activation_checkpointing=\"full\""]),
+    ];
+    for (name, ranks, layout) in layouts {
+        let mut extra = layout.to_vec();
+        extra.push(shared);
+        let l = train(d, name, *ranks, &extra);
+        assert_losses_within(name, &base, &l, LOSS_TOL);
+        assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
+        let mut sets = pipeline_sets();
+        sets.extend_from_slice(&extra);
+        let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();
+        assert_bytes_match_formula(d, name, &deck, *ranks);
+    }
+    let names = ndtrain::io::checkpoint::tools::dataset_paths(&ckpt(d, "one", 6)).unwrap();
+    assert!(names.iter().any(|n| n.ends_with("layers.1.mlp.shared_experts.down_proj.weight")), "{names:?}");
+}

@@ -147,6 +147,11 @@ fn mixture_of_experts_gradient_matches_finite_differences() {
     check_cfg(&qwen3_moe, ActCkpt::Full, Backward::Whole);
     // Zero bubble's split: the experts' and the router's weight gradients from kept operands.
     check_cfg(&qwen3_moe, ActCkpt::Selective, Backward::Split);
+    // A shared expert (an FFN of 12 every row passes, beside the routed ones, narrower than the
+    // dense first block's 24), whole, and split with full recomputation.
+    let shared = ModelCfg { n_shared_experts: 1, ..moe };
+    check_cfg(&shared, ActCkpt::None, Backward::Whole);
+    check_cfg(&shared, ActCkpt::Full, Backward::Split);
 }
 
 /// Zero bubble's split backward, with the recomputation of full checkpointing (the kept

@@ -155,6 +155,10 @@ pub struct ModelCfg {
     pub experts_per_token: usize,
     /// Width of each expert's SwiGLU FFN. Alias: `moe_intermediate_size`.
     pub moe_ffn_hidden: usize,
+    /// Shared experts of each mixture-of-experts block (DeepSeek's): one SwiGLU FFN of
+    /// `n_shared_experts × moe_ffn_hidden` every token passes, its output added to the routed
+    /// experts' (0: none).
+    pub n_shared_experts: usize,
     /// Divide the chosen experts' probabilities by their sum (Mixtral always does; Qwen3-MoE
     /// when its config says so).
     pub norm_topk_prob: bool,
@@ -185,6 +189,7 @@ impl Default for ModelCfg {
             n_experts: 0,
             experts_per_token: 0,
             moe_ffn_hidden: 0,
+            n_shared_experts: 0,
             norm_topk_prob: true,
             first_dense_layers: 0,
             router_aux_loss_coef: 0.0,

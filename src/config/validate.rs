@@ -316,6 +316,7 @@ impl Deck {
             for (key, set) in [
                 ("experts_per_token", m.experts_per_token > 0),
                 ("moe_ffn_hidden", m.moe_ffn_hidden > 0),
+                ("n_shared_experts", m.n_shared_experts > 0),
                 ("first_dense_layers", m.first_dense_layers > 0),
                 ("router_aux_loss_coef", m.router_aux_loss_coef != 0.0),
                 ("router_bias_update_rate", m.router_bias_update_rate != 0.0),
@@ -337,7 +338,18 @@ impl Deck {
             err(format!("[model] first_dense_layers({}) exceeds n_layers({})", m.first_dense_layers, m.n_layers))
         })?;
         non_negative_finite("model", "router_aux_loss_coef", m.router_aux_loss_coef)?;
-        non_negative_finite("model", "router_bias_update_rate", m.router_bias_update_rate)
+        non_negative_finite("model", "router_bias_update_rate", m.router_bias_update_rate)?;
+        let c = &self.checkpoint;
+        for (key, v) in [("init_from", &c.init_from), ("export_hf", &c.export_hf)] {
+            need(m.n_shared_experts == 0 || v.is_empty(), || {
+                err(format!(
+                    "[checkpoint] {key} = {v:?} with [model] n_shared_experts = {}: no Hugging Face family ndtrain reads or writes (Mixtral, Qwen3-MoE) has shared experts",
+                    m.n_shared_experts
+                ))
+                .with_hint("remove the key: the model lives in ndtrain's checkpoints")
+            })?;
+        }
+        Ok(())
     }
 
     /// `ep` cuts groups of experts out of the `dp_shard × cp` ranks: it needs experts, must
@@ -537,6 +549,14 @@ impl Deck {
                     .with_hint(divisors())
             })?;
         }
+        // The shared experts are one FFN cut over tp like the dense MLP.
+        let shared = m.n_shared_experts * m.moe_ffn_hidden;
+        need(shared % tp == 0, || {
+            err(format!(
+                "[parallel] tp({tp}) does not divide the shared experts' width n_shared_experts({}) × moe_ffn_hidden({}) = {shared}; each tp rank holds its columns / tp",
+                m.n_shared_experts, m.moe_ffn_hidden
+            ))
+        })?;
         let cp = l.cp;
         let sl = t.seq_len;
         // Both rules below together: seq_len is a multiple of lcm(2·cp, cp·tp) (each factor only when active).

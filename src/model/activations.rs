@@ -57,21 +57,28 @@ pub(super) struct BlockActs<V> {
 /// shared by every block) all the kinds of the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Mlp {
-    pub(super) dense: bool,
+    /// Width on this rank of the SwiGLU MLP every row passes: the dense MLP's, or a mixture
+    /// of experts' shared experts' (0: none); the largest of the model's, for all kinds.
+    pub(super) width: usize,
+    /// Routed experts.
     pub(super) experts: bool,
 }
 
 impl Mlp {
     /// Block `layer`'s (global index).
     pub(super) fn of(m: &Dims, layer: usize) -> Mlp {
-        let experts = m.moe_layer(layer);
-        Mlp { dense: !experts, experts }
+        Mlp { width: m.mlp_width(layer), experts: m.moe_layer(layer) }
     }
 
     /// Every kind among the blocks `m` holds.
     pub(super) fn all(m: &Dims) -> Mlp {
         let kinds = m.layer_ids.iter().map(|&l| Mlp::of(m, l));
-        kinds.fold(Mlp { dense: false, experts: false }, |a, b| Mlp { dense: a.dense || b.dense, experts: a.experts || b.experts })
+        kinds.fold(Mlp { width: 0, experts: false }, |a, b| Mlp { width: a.width.max(b.width), experts: a.experts || b.experts })
+    }
+
+    /// Whether rows pass a SwiGLU MLP cut over tp (a dense one, or shared experts).
+    fn dense(&self) -> usize {
+        (self.width > 0) as usize
     }
 }
 
@@ -90,7 +97,7 @@ pub(super) enum ActsRole {
 /// allocates and what the planner predicts (one function, so the two cannot drift apart).
 pub(super) fn block_acts_lens(m: &Dims, n: usize, rows: Rows, ckpt: ActCkpt, role: ActsRole, mlp: Mlp) -> [usize; 24] {
     let (d, hd) = (m.d, m.hd);
-    let f = mlp.dense as usize * m.ffn_local;
+    let f = mlp.width;
     let nl = rows.local;
     // The experts act on this rank's rows.
     let (nk, fe) = routed_rows(m, nl, mlp);
@@ -259,7 +266,7 @@ pub(super) struct BlockGrads<V> {
 /// [`block_acts_lens`]).
 pub(super) fn block_grads_lens(m: &Dims, n: usize, rows: Rows, mlp: Mlp) -> [usize; 22] {
     let (d, hd) = (m.d, m.hd);
-    let f = mlp.dense as usize * m.ffn_local;
+    let f = mlp.width;
     let (qd, kvd) = (m.heads_local * hd, m.kv_heads_local * hd);
     let full = rows.gathered * d;
     let nl = rows.local;
@@ -350,7 +357,7 @@ pub(super) struct DeferredWeights<V> {
 /// then the experts' operands (`n` rows, `nl` of them this rank's).
 pub(super) fn deferred_lens(m: &Dims, n: usize, nl: usize, mlp: Mlp) -> [usize; 22] {
     let d = m.d;
-    let f = mlp.dense as usize * m.ffn_local;
+    let f = mlp.width;
     let (qd, kvd) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
     let qk = m.qk_norm as usize * m.hd;
     let (nk, fe) = routed_rows(m, nl, mlp);
@@ -362,10 +369,10 @@ pub(super) fn deferred_lens(m: &Dims, n: usize, nl: usize, mlp: Mlp) -> [usize; 
         n * d,
         n * f,
         n * f,
-        n * d * mlp.dense as usize,
+        n * d * mlp.dense(),
         n * d,
         n * qd,
-        n * d * mlp.dense as usize,
+        n * d * mlp.dense(),
         n * f,
         d,
         d,

@@ -54,7 +54,7 @@ pub(super) fn block_fwd<T: Real, B: Backend<T>>(
 ) {
     let (be, m, tp) = (ctx.be, ctx.m, ctx.hooks.tp);
     let (b, s, n) = (ctx.b, ctx.s, ctx.b * ctx.s);
-    let (d, f, hd) = (m.d, m.ffn_local, m.hd);
+    let (d, f, hd) = (m.d, m.mlp_width(layer), m.hd);
     let (nh, nkv) = (m.heads_local, m.kv_heads_local);
     let rope = Some((ctx.cos, ctx.sin));
     // Between the block's large pieces of work, communication in flight moves.
@@ -86,23 +86,31 @@ pub(super) fn block_fwd<T: Real, B: Backend<T>>(
     poke();
 
     be.rmsnorm_fwd(&mut a.xn2, &mut a.rstd2, &a.x1, &w.post_attention_layernorm, d, m.norm_eps);
+    let mut out = out;
     if let Some(experts) = &w.moe {
-        let mut out = out;
         moe_fwd(ctx, experts, layer, a, g, out.as_deref_mut());
-        if let Some(out) = out {
-            be.add_assign(out, &a.x1);
-        }
-        return;
     }
-    let xn2 = tp.gather(&a.xn2, &mut g.full_a); // [N, D]; backward: reduce of dxn2
-    be.linear_fwd_pair(&mut a.gate, &w.gate_proj, &mut a.up, &w.up_proj, xn2, n, f, d);
-    poke();
-    be.swiglu_fwd(&mut a.h, &a.gate, &a.up);
-    let Some(out) = out else { return };
-    // Row-parallel down_proj: partial sums reduced into this rank's rows; backward: gather.
-    be.linear_fwd(tp.partial(out, &mut g.full_b), &a.h, &w.down_proj, n, d, f, false);
-    tp.finish(out, &g.full_b);
-    be.add_assign(out, &a.x1);
+    // The dense MLP, or a mixture of experts' shared experts beside its routed ones.
+    if f > 0 {
+        let xn2 = tp.gather(&a.xn2, &mut g.full_a); // [N, D]; backward: reduce of dxn2
+        be.linear_fwd_pair(&mut a.gate, &w.gate_proj, &mut a.up, &w.up_proj, xn2, n, f, d);
+        poke();
+        be.swiglu_fwd(&mut a.h, &a.gate, &a.up);
+        if let Some(out) = out.as_deref_mut() {
+            // Row-parallel down_proj: partial sums reduced into this rank's rows; backward:
+            // gather. Beside routed experts (which wrote `out`) into `dx1`, free until backward.
+            let shared = w.moe.is_some();
+            let dst = if shared { &mut g.dx1 } else { &mut *out };
+            be.linear_fwd(tp.partial(dst, &mut g.full_b), &a.h, &w.down_proj, n, d, f, false);
+            tp.finish(dst, &g.full_b);
+            if shared {
+                be.add_assign(out, &g.dx1);
+            }
+        }
+    }
+    if let Some(out) = out {
+        be.add_assign(out, &a.x1);
+    }
 }
 
 /// Qwen3's RMSNorm of each head of `raw` (token-major `[N, heads·hd]`) into `y`, statistics
@@ -189,16 +197,20 @@ impl Proj {
         }
     }
 
-    /// `(out, in)` of its weight `[out, in]`.
-    fn shape(self, m: &Dims) -> (usize, usize) {
+    /// `(out, in)` of its weight `[out, in]` in a block whose MLP is `f` wide on this rank.
+    fn shape(self, m: &Dims, f: usize) -> (usize, usize) {
         let (q, kv) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
         match self {
             Proj::Q => (q, m.d),
             Proj::K | Proj::V => (kv, m.d),
             Proj::O => (m.d, q),
-            Proj::Gate | Proj::Up => (m.ffn_local, m.d),
-            Proj::Down => (m.d, m.ffn_local),
+            Proj::Gate | Proj::Up => (f, m.d),
+            Proj::Down => (m.d, f),
         }
+    }
+
+    fn is_mlp(self) -> bool {
+        matches!(self, Proj::Gate | Proj::Up | Proj::Down)
     }
 }
 
@@ -223,14 +235,17 @@ fn proj_bwd<T: Real, B: Backend<T>>(
     w: &B::Buf,
 ) {
     let (be, n) = (ctx.be, ctx.b * ctx.s);
-    let (out, inp) = p.shape(ctx.m);
+    let (out, inp) = p.shape(ctx.m, be.len(w) / ctx.m.d);
     match sink {
         WeightGrads::Now(dw) => be.linear_bwd(dx, acc, p.of(dw), dy, x, w, n, out, inp),
         WeightGrads::Deferred(k) => {
             be.linear_bwd_input(dx, dy, w, n, out, inp, acc);
-            be.copy(&mut k.dy[p as usize], dy);
+            // The operands' first rows·width elements: a recompute scratch serving a wider MLP
+            // elsewhere in the model is longer.
+            let kept = &mut k.dy[p as usize];
+            be.copy_range(kept, 0, dy, 0..n * out);
             if p.copies_input() {
-                be.copy(&mut k.x[p.input()], x);
+                be.copy_range(&mut k.x[p.input()], 0, x, 0..n * inp);
             }
         }
     }
@@ -272,12 +287,13 @@ fn norm_slot<'a, T: Real, B: Backend<T>>(be: &B, sink: &'a mut WeightGrads<B::Bu
 /// Zero bubble's weight-gradient half of a block's backward: the seven weight-gradient GEMMs
 /// from their kept operands, and the norms' kept gradients, ACCUMULATED (`+=`) into `dw`.
 pub(super) fn block_bwd_weight<T: Real, B: Backend<T>>(be: &B, m: &Dims, n: usize, k: &DeferredWeights<B::Buf>, dw: &mut Layer<B::Buf>) {
-    let experts = dw.moe.is_some();
     if let Some(e) = dw.moe.as_mut() {
         moe_bwd_weight(be, m, k, e);
     }
-    for p in Proj::ALL.into_iter().filter(|&p| !(experts && matches!(p, Proj::Gate | Proj::Up | Proj::Down))) {
-        let (out, inp) = p.shape(m);
+    // The MLP's projections where rows pass one (a dense block, or shared experts).
+    let f = be.len(&dw.gate_proj) / m.d;
+    for p in Proj::ALL.into_iter().filter(|&p| f > 0 || !p.is_mlp()) {
+        let (out, inp) = p.shape(m, f);
         be.linear_bwd_weight(p.of(dw), &k.dy[p as usize], &k.x[p.input()], n, out, inp, true);
     }
     be.add_assign(&mut dw.input_layernorm, &k.dnorm1);
@@ -306,25 +322,32 @@ pub(super) fn block_bwd<T: Real, B: Backend<T>>(
     let rope = Some((ctx.cos, ctx.sin));
     let poke = ctx.hooks.progress;
 
-    match &w.moe {
-        // The experts act on this rank's rows: dxn2 straight into g.dxn.
-        Some(experts) => moe_bwd(ctx, experts, &mut dw, a, g, dx),
-        None => {
-            // MLP: out = x1 + down(h). The output gradient, gathered to all N rows.
-            let dout = tp.gather(dx, &mut g.full_a);
-            proj_bwd(ctx, &mut dw, Proj::Down, &mut g.dh, false, dout, &a.h, &w.down_proj);
-            poke();
-            be.swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
-            // xn2 is gathered again rather than kept. dxn2: partial sums of the column-parallel
-            // gate/up, reduced into this rank's rows.
-            let xn2 = tp.gather(&a.xn2, &mut g.full_a);
-            let partial = tp.partial(&mut g.dxn, &mut g.full_b);
-            proj_bwd(ctx, &mut dw, Proj::Gate, partial, false, &g.dgate, xn2, &w.gate_proj);
-            poke();
-            proj_bwd(ctx, &mut dw, Proj::Up, partial, true, &g.dup, xn2, &w.up_proj);
-            poke();
-            tp.finish(&mut g.dxn, &g.full_b);
+    // The dense MLP (or the shared experts): out = x1 + down(h), dxn2 into g.dxn.
+    let f = be.len(&w.gate_proj) / d;
+    if f > 0 {
+        // The scratch fits the model's widest MLP (dense blocks beside shared experts).
+        for buf in [&mut g.dh, &mut g.dgate, &mut g.dup] {
+            be.resize(buf, b * s * f);
         }
+        // The output gradient, gathered to all N rows.
+        let dout = tp.gather(dx, &mut g.full_a);
+        proj_bwd(ctx, &mut dw, Proj::Down, &mut g.dh, false, dout, &a.h, &w.down_proj);
+        poke();
+        be.swiglu_bwd(&mut g.dgate, &mut g.dup, &g.dh, &a.gate, &a.up);
+        // xn2 is gathered again rather than kept. dxn2: partial sums of the column-parallel
+        // gate/up, reduced into this rank's rows.
+        let xn2 = tp.gather(&a.xn2, &mut g.full_a);
+        let partial = tp.partial(&mut g.dxn, &mut g.full_b);
+        proj_bwd(ctx, &mut dw, Proj::Gate, partial, false, &g.dgate, xn2, &w.gate_proj);
+        poke();
+        proj_bwd(ctx, &mut dw, Proj::Up, partial, true, &g.dup, xn2, &w.up_proj);
+        poke();
+        tp.finish(&mut g.dxn, &g.full_b);
+    }
+    // The routed experts act on this rank's rows: their dxn2 into (or, beside shared
+    // experts, onto) g.dxn.
+    if let Some(experts) = &w.moe {
+        moe_bwd(ctx, experts, &mut dw, a, g, dx, experts.shared);
     }
     // dx1 = dout (residual) + norm2 backward.
     be.copy(&mut g.dx1, dx);

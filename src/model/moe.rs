@@ -222,8 +222,9 @@ pub(super) fn moe_fwd<T: Real, B: Backend<T>>(
 }
 
 /// Backward of [`moe_fwd`]: from `dout [N, D]` (the gradient of its output) into `dxn [N, D]`
-/// (`g.dxn`, `=`: the gradient of `a.xn2`); weight gradients ACCUMULATE into `dw`; the
-/// auxiliary loss's gradient of the probabilities comes from `ctx.aux`.
+/// (`g.dxn`: the gradient of `a.xn2`, `=`, or `+=` with `accumulate`); weight gradients
+/// ACCUMULATE into `dw`; the auxiliary loss's gradient of the probabilities comes from
+/// `ctx.aux`.
 pub(super) fn moe_bwd<'c, T: Real, B: Backend<T>>(
     ctx: &BlockCtx<'c, T, B>,
     w: &Experts<B::Buf>,
@@ -231,6 +232,7 @@ pub(super) fn moe_bwd<'c, T: Real, B: Backend<T>>(
     a: &BlockActs<B::Buf>,
     g: &mut BlockGrads<B::Buf>,
     dout: &B::Buf,
+    accumulate: bool,
 ) {
     let (be, m) = (ctx.be, ctx.m);
     let e = m.moe.as_ref().expect("a mixture-of-experts block has its sizes");
@@ -299,7 +301,9 @@ pub(super) fn moe_bwd<'c, T: Real, B: Backend<T>>(
         }
         None => &g.moe_dx,
     };
-    be.fill(&mut g.dxn, T::ZERO);
+    if !accumulate {
+        be.fill(&mut g.dxn, T::ZERO);
+    }
     be.scatter_add_rows(&mut g.dxn, dx_routed, &r.rows, d);
     // The router: logits z = xn2 · Wᵀ, through the softmax and the gate weights (and the
     // probabilities' sums in the auxiliary loss).

@@ -28,9 +28,11 @@ pub struct Layer<V> {
     pub q_norm: Option<V>,           // [hd], with `[model] qk_norm`
     pub k_norm: Option<V>,           // [hd], with `[model] qk_norm`
     pub post_attention_layernorm: V, // [D]
-    pub gate_proj: V,                // [F, D]
-    pub up_proj: V,                  // [F, D]; empty in a mixture-of-experts block
-    pub down_proj: V,                // [D, F]; empty in a mixture-of-experts block
+    /// The MLP `[F, D]`, `[F, D]`, `[D, F]`; in a mixture-of-experts block its shared experts
+    /// (`[Fs, D]`, …, `Fs = n_shared_experts · Fe`), empty without.
+    pub gate_proj: V,
+    pub up_proj: V,
+    pub down_proj: V,
     /// The router and experts that replace the MLP in a mixture-of-experts block.
     pub moe: Option<Experts<V>>,
 }
@@ -40,7 +42,10 @@ pub struct Layer<V> {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Experts<V> {
     pub gate: V, // [E, D] the router
+    /// This rank's experts (all, or its `E / ep` under expert parallelism).
     pub experts: Vec<Expert<V>>,
+    /// The block's `gate_proj`, `up_proj` and `down_proj` hold shared experts.
+    pub shared: bool,
 }
 
 /// One expert's SwiGLU FFN.
@@ -78,6 +83,7 @@ impl<V> Experts<V> {
                 .iter()
                 .map(|e| Expert { gate_proj: f(&e.gate_proj), up_proj: f(&e.up_proj), down_proj: f(&e.down_proj) })
                 .collect(),
+            shared: self.shared,
         }
     }
 }
@@ -173,6 +179,7 @@ impl Dims {
                 first_dense: cfg.first_dense_layers,
                 aux_coef: cfg.router_aux_loss_coef,
                 bias_rate: cfg.router_bias_update_rate,
+                shared_local: cfg.n_shared_experts * cfg.moe_ffn_hidden / tp,
                 ep: 1,
                 ep_rank: 0,
             }),
@@ -215,6 +222,15 @@ impl Dims {
         self.moe.as_ref().is_some_and(|e| layer >= e.first_dense)
     }
 
+    /// Width on this rank of block `layer`'s SwiGLU MLP that every row passes (cut over tp): the
+    /// dense MLP's `F_local`, or in a mixture-of-experts block its shared experts' (0: none).
+    pub fn mlp_width(&self, layer: usize) -> usize {
+        match self.moe.as_ref().filter(|_| self.moe_layer(layer)) {
+            Some(e) => e.shared_local,
+            None => self.ffn_local,
+        }
+    }
+
     /// The mixture-of-experts blocks of the whole model (all stages).
     pub fn moe_layers(&self) -> usize {
         (0..self.n_layers).filter(|&l| self.moe_layer(l)).count()
@@ -238,6 +254,8 @@ pub struct MoeDims {
     pub aux_coef: f64,
     /// `router_bias_update_rate`.
     pub bias_rate: f64,
+    /// The shared experts' width on this rank (`n_shared_experts · Fe / tp`; 0: none).
+    pub shared_local: usize,
     /// Ranks the experts are split over (`[parallel] ep`), and this rank's place among them.
     pub ep: usize,
     pub ep_rank: usize,
@@ -350,7 +368,14 @@ pub fn param_specs_local(m: &Dims) -> Vec<ParamSpec> {
         out.push(spec(format!("{p}post_attention_layernorm.weight"), vec![d], Replicated, ParamKind::Norm));
         match m.moe.as_ref().filter(|_| m.moe_layer(i)) {
             Some(e) => {
-                let (n, fe) = (e.router.experts, e.ffn);
+                let (n, fe, fs) = (e.router.experts, e.ffn, e.shared_local);
+                if fs > 0 {
+                    // DeepSeek's names; one FFN cut over tp like the dense MLP.
+                    let x = format!("{p}mlp.shared_experts.");
+                    out.push(spec(format!("{x}gate_proj.weight"), vec![fs, d], Rows, ParamKind::Matrix));
+                    out.push(spec(format!("{x}up_proj.weight"), vec![fs, d], Rows, ParamKind::Matrix));
+                    out.push(spec(format!("{x}down_proj.weight"), vec![d, fs], Cols, ParamKind::ResidualMatrix));
+                }
                 out.push(spec(format!("{p}mlp.gate.weight"), vec![n, d], Replicated, ParamKind::Matrix));
                 for j in e.local_experts() {
                     let x = format!("{p}mlp.experts.{j}.");
@@ -426,7 +451,7 @@ impl<V> Layer<V> {
     /// each tensor from `alloc(elements)` (host vectors, or a backend's buffers).
     pub fn alloc(m: &Dims, layer: usize, mut alloc: impl FnMut(usize) -> V) -> Self {
         let moe = m.moe.as_ref().filter(|_| m.moe_layer(layer));
-        let (d, f) = (m.d, if moe.is_some() { 0 } else { m.ffn_local });
+        let (d, f) = (m.d, m.mlp_width(layer));
         let (q, kv) = (m.heads_local * m.hd, m.kv_heads_local * m.hd);
         Layer {
             input_layernorm: alloc(d),
@@ -446,6 +471,7 @@ impl<V> Layer<V> {
                     .local_experts()
                     .map(|_| Expert { gate_proj: alloc(e.ffn * d), up_proj: alloc(e.ffn * d), down_proj: alloc(d * e.ffn) })
                     .collect(),
+                shared: e.shared_local > 0,
             }),
         }
     }
@@ -461,10 +487,10 @@ impl<V> Layer<V> {
         let mut out = vec![&self.input_layernorm, &self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
         out.extend(self.q_norm.iter().chain(&self.k_norm));
         out.push(&self.post_attention_layernorm);
-        match &self.moe {
-            Some(e) => out.extend(e.tensors()),
-            None => out.extend([&self.gate_proj, &self.up_proj, &self.down_proj]),
+        if self.moe.as_ref().is_none_or(|e| e.shared) {
+            out.extend([&self.gate_proj, &self.up_proj, &self.down_proj]);
         }
+        out.extend(self.moe.iter().flat_map(|e| e.tensors()));
         out
     }
 
@@ -473,10 +499,10 @@ impl<V> Layer<V> {
         let mut out = vec![&mut self.input_layernorm, &mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.o_proj];
         out.extend(self.q_norm.iter_mut().chain(&mut self.k_norm));
         out.push(&mut self.post_attention_layernorm);
-        match &mut self.moe {
-            Some(e) => out.extend(e.tensors_mut()),
-            None => out.extend([&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]),
+        if self.moe.as_ref().is_none_or(|e| e.shared) {
+            out.extend([&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]);
         }
+        out.extend(self.moe.iter_mut().flat_map(|e| e.tensors_mut()));
         out
     }
 

@@ -146,7 +146,9 @@ pub fn global_from_local(local: &ModelParams<f32>, cfg: &ModelCfg, tp: &Group) -
 ///   and one reduce-scatter per recomputed block, plus the embedding's reduce-scatter and all-gather and the final
 ///   norm's all-gather and reduce-scatter;
 ///
-/// A mixture-of-experts block's MLP runs on this rank's rows without communicating: it drops
+/// A mixture-of-experts block's routed experts run on this rank's rows without communicating
+/// (its shared experts, where it has them, are cut over tp like the dense MLP): without
+/// shared experts it drops
 /// the MLP's share (with sequence parallelism one all-gather and one reduce-scatter in forward,
 /// two all-gathers and one reduce-scatter in backward, one all-gather when recomputed; without,
 /// one all-reduce in each direction),
@@ -177,10 +179,10 @@ pub fn predicted_tp_bytes(
     // and reduction (backward), and the vocabulary-parallel loss, where this rank runs them.
     let (e, h) = (m.embed as u64, m.head as u64);
     let ce = h * ga * 3 * tokens as u64 * 4;
-    // Mixture-of-experts blocks, and those of them recomputed (a block piece's last block is
-    // not; experts run without a pipeline, so this rank holds one piece).
-    let lm = m.layer_ids.iter().filter(|&&id| m.moe_layer(id)).count() as u64;
-    let last_moe = m.layer_ids.last().is_some_and(|&id| m.moe_layer(id)) as u64;
+    // Blocks with no MLP cut over tp (mixtures of experts without shared experts), and those of
+    // them recomputed (a block piece's last block is not).
+    let lm = m.layer_ids.iter().filter(|&&id| m.mlp_width(id) == 0).count() as u64;
+    let last_moe = m.layer_ids.last().is_some_and(|&id| m.mlp_width(id) == 0) as u64;
     let rlm = if recompute { lm - last_moe } else { 0 };
     if sequence_parallel {
         out.insert("tp.all_gather".into(), ga * nd4 * (6 * l + 2 * rl + e + h - 3 * lm - rlm));

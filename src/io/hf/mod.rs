@@ -129,6 +129,7 @@ fn read_config(dir: &Path) -> Result<Value, HfError> {
 /// `head_dim` and the q/k norm against `[model] head_dim` and `qk_norm`. Keys the file omits
 /// take `LlamaConfig`'s defaults (`Qwen3Config`'s head width for `qwen3`).
 pub fn check_config(dir: &Path, cfg: &ModelCfg) -> Result<(), HfError> {
+    no_shared_experts(cfg)?;
     let c = read_config(dir)?;
     let file = dir.join("config.json");
     let file = file.display();
@@ -236,6 +237,18 @@ pub fn check_config(dir: &Path, cfg: &ModelCfg) -> Result<(), HfError> {
     }
     check_attention(&c, cfg, &file.to_string(), int("head_dim")?)?;
     check_experts(&c, cfg, family, &file.to_string())
+}
+
+/// Shared experts (`[model] n_shared_experts`) belong to none of the families read and
+/// written here (Mixtral and Qwen3-MoE have none).
+pub(crate) fn no_shared_experts(cfg: &ModelCfg) -> Result<(), HfError> {
+    if cfg.n_shared_experts > 0 {
+        return Err(HfError(format!(
+            "[model] n_shared_experts = {}: no Hugging Face family ndtrain reads or writes (Llama, Qwen3, Mixtral, Qwen3-MoE) has shared experts; keep the model in ndtrain checkpoints",
+            cfg.n_shared_experts
+        )));
+    }
+    Ok(())
 }
 
 /// The folder's [`Family`] from `model_type` (`llama` when absent).

@@ -13,6 +13,7 @@ use std::path::Path;
 /// `transformers.LlamaForCausalLM.from_pretrained(dir)` loads the same model. A tied model
 /// writes no `lm_head.weight`, as Hugging Face does.
 pub fn save_params<T: Real>(dir: &Path, cfg: &ModelCfg, params: &ModelParams<T>) -> Result<(), HfError> {
+    super::no_shared_experts(cfg)?;
     let specs = param_specs(cfg);
     let tensors = params.tensors();
     if tensors.len() != specs.len() {

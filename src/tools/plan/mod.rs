@@ -268,8 +268,9 @@ fn comm_bytes(res: &Resolved, dims: &Dims, shards: &ShardPlan) -> BTreeMap<Strin
     out
 }
 
-/// Every layout of `world` ranks the deck accepts (`pp × dp_replicate × dp_shard × cp × tp`;
-/// others keep `[parallel]`'s flags), with the number of factorisations it refused.
+/// Every layout of `world` ranks the deck accepts (`pp × dp_replicate × dp_shard × cp × tp`,
+/// and for a mixture of experts every `ep` dividing `dp_shard × cp` and the experts; others
+/// keep `[parallel]`'s flags), with the number of factorisations it refused.
 pub fn valid_layouts(deck: &Deck, world: usize) -> (Vec<Resolved>, usize) {
     let divisors = |n: usize| (1..=n).filter(move |d| n % d == 0);
     let (mut ok, mut refused) = (vec![], 0);
@@ -278,15 +279,25 @@ pub fn valid_layouts(deck: &Deck, world: usize) -> (Vec<Resolved>, usize) {
             for cp in divisors(world / pp / tp) {
                 for rep in divisors(world / pp / tp / cp) {
                     let shard = world / pp / tp / cp / rep;
-                    let mut d = deck.clone();
-                    d.parallel.pp = pp as i64;
-                    d.parallel.tp = tp as i64;
-                    d.parallel.cp = cp as i64;
-                    d.parallel.dp_replicate = rep as i64;
-                    d.parallel.dp_shard = shard as i64;
-                    match d.resolve(world) {
-                        Ok(r) => ok.push(r),
-                        Err(_) => refused += 1,
+                    // ep is not a factor of the world: every degree the experts and the
+                    // dp_shard × cp ranks allow.
+                    let eps: Vec<usize> = if deck.model.is_moe() {
+                        divisors(shard * cp).filter(|ep| deck.model.n_experts % ep == 0).collect()
+                    } else {
+                        vec![1]
+                    };
+                    for ep in eps {
+                        let mut d = deck.clone();
+                        d.parallel.pp = pp as i64;
+                        d.parallel.tp = tp as i64;
+                        d.parallel.cp = cp as i64;
+                        d.parallel.dp_replicate = rep as i64;
+                        d.parallel.dp_shard = shard as i64;
+                        d.parallel.ep = ep as i64;
+                        match d.resolve(world) {
+                            Ok(r) => ok.push(r),
+                            Err(_) => refused += 1,
+                        }
                     }
                 }
             }
@@ -345,10 +356,12 @@ fn group_size(group: &str, l: &Layout) -> usize {
 }
 
 /// The estimate: compute at the peak rate, plus every collective as a ring without overlap —
-/// `(n−1)/n` of the counted bytes (twice for an all-reduce) over the link's bandwidth, plus
+/// `(n−1)/n` of the counted bytes (twice for an all-reduce; all of them for the all-to-all,
+/// whose counted bytes are already those leaving the rank) over the link's bandwidth, plus
 /// `(n−1)` latencies per call (twice for an all-reduce), with calls estimated from the bytes of
-/// one `[tokens, D]` activation (tp), one unit (fsdp, dp_rep) or one key/value block (cp). The
-/// link is intra-node when the group's span fits in `ranks_per_node`.
+/// one `[tokens, D]` activation (tp), one unit (fsdp, dp_rep, expert_fsdp), one key/value block
+/// (cp) or one exchange of routed rows (ep). The link is intra-node when the group's span fits
+/// in `ranks_per_node`.
 pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cost {
     let l = &p.layout;
     let per_node = hw.ranks_per_node.max(1);
@@ -367,13 +380,19 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
         let per_call = match group {
             "tp" => 4.0 * tokens * deck.model.d_model as f64,
             "cp" => 8.0 * tokens * (deck.model.n_kv_heads / l.tp * deck.model.head_dim()) as f64,
-            "fsdp" | "dp_rep" => (p.unit_bytes as f64).max(1.0),
+            "fsdp" | "dp_rep" | "expert_fsdp" => (p.unit_bytes as f64).max(1.0),
             "pp" => 4.0 * tokens * deck.model.d_model as f64,
+            // One exchange: the rows of a block's micro-batch that leave the rank.
+            "ep" => 4.0 * tokens * (deck.model.experts_per_token * deck.model.d_model) as f64 * (n - 1.0) / n,
             _ => b,
         };
         let calls = (b / per_call).ceil().max(1.0);
-        let factor = if kind == "all_reduce" { 2.0 } else { 1.0 };
-        let t = factor * ((n - 1.0) / n * b / bw + (n - 1.0) * lat * calls);
+        let t = match kind {
+            "all_reduce" => 2.0 * ((n - 1.0) / n * b / bw + (n - 1.0) * lat * calls),
+            // The counted bytes are already those that leave the rank.
+            "all_to_all" => b / bw + (n - 1.0) * lat * calls,
+            _ => (n - 1.0) / n * b / bw + (n - 1.0) * lat * calls,
+        };
         *comm_s.entry(group.to_string()).or_default() += t;
     }
     let bubble = p.bubble;

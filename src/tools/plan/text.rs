@@ -77,8 +77,12 @@ fn memory_table(s: &mut String, p: &RankPlan, res: &Resolved, place: &str) {
     let stage = if l.pp > 1 { format!("pp={} (first stage) ", l.pp) } else { String::new() };
     let _ = writeln!(
         s,
-        "\n{place} per rank (rank 0 of {stage}dp_replicate={} dp_shard={} cp={} tp={}), MiB:",
-        l.dp_replicate, l.dp_shard, l.cp, l.tp
+        "\n{place} per rank (rank 0 of {stage}dp_replicate={} dp_shard={} cp={} tp={}{}), MiB:",
+        l.dp_replicate,
+        l.dp_shard,
+        l.cp,
+        l.tp,
+        if l.ep > 1 { format!(" ep={}", l.ep) } else { String::new() }
     );
     let st = &p.state;
     let a = &p.activations;
@@ -185,13 +189,14 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
     );
     let _ = writeln!(
         s,
-        "\n{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10} {:>13}  note",
+        "\n{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>4} {:>5} {:>12} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>10} {:>13}  note",
         "rank",
         "pp",
         "dp_rep",
         "dp_sh",
         "cp",
         "tp",
+        "ep",
         "accum",
         "mem/rank",
         "compute s",
@@ -199,6 +204,7 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
         "tp s",
         "cp s",
         "pp s",
+        "ep s",
         "dp s",
         "bubble",
         "step s",
@@ -216,20 +222,22 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
         }
         let _ = writeln!(
             s,
-            "{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>5} {:>12} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>6.1}% {:>10.4} {:>13.0}  {}",
+            "{:>4} {:>4} {:>6} {:>6} {:>4} {:>4} {:>4} {:>5} {:>12} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>10.3} {:>6.1}% {:>10.4} {:>13.0}  {}",
             i + 1,
             l.pp,
             l.dp_replicate,
             l.dp_shard,
             l.cp,
             l.tp,
+            l.ep,
             p.grad_accum,
             fmt_bytes(p.max_peak_bytes() as f64),
             c.compute_s,
-            g("fsdp"),
+            g("fsdp") + g("expert_fsdp"),
             g("tp"),
             g("cp"),
             g("pp"),
+            g("ep"),
             g("dp_rep") + g("batch"),
             100.0 * c.bubble,
             c.step_s,
