@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Expert parallelism against one rank and against FSDP without it, side by side: the mixture
 # of experts of benches/moe_vs_dense.sh (inputs/bench_small.toml with 8 experts of 768, top-2,
-# the auxiliary loss on), one thread per rank. One rank alone; two ranks with ep 2 (each holds
+# the auxiliary loss on) and a global batch of 8 sequences (so two ranks split it), one
+# thread per rank. One rank alone; two ranks with ep 2 (each holds
 # 4 of the 8 experts of every block, the routed rows cross by all-to-all); two ranks with
 # FSDP 2 and every expert on both. The two ranks bound one per core. ROUNDS interleaved
 # rounds of STEPS steps; per run the median step (steps 2 onwards), tokens/s, and from rank
@@ -14,7 +15,8 @@ STEPS="${STEPS:-6}"
 ROUNDS="${ROUNDS:-3}"
 cargo build --release --quiet
 rm -rf "$OUT"; mkdir -p "$OUT"
-EXPERTS=(--set model.n_experts=8 --set model.experts_per_token=2 --set model.moe_ffn_hidden=768 --set model.router_aux_loss_coef=0.01)
+EXPERTS=(--set model.n_experts=8 --set model.experts_per_token=2 --set model.moe_ffn_hidden=768 --set model.router_aux_loss_coef=0.01
+    --set train.global_batch=8)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 run() { local name=$1 ranks=$2; shift 2
     local args=(train inputs/bench_small.toml --set run.steps="$STEPS" --set run.threads=1 --set run.out_dir="\"$OUT/$name\"" "${EXPERTS[@]}" "$@")

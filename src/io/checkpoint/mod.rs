@@ -70,6 +70,9 @@ pub struct WriterLayout {
     pub dp_shard: usize,
     pub cp: usize,
     pub tp: usize,
+    /// Expert parallelism (absent from checkpoints written before it existed: 1).
+    #[serde(default = "one")]
+    pub ep: usize,
     pub world: usize,
 }
 
@@ -82,7 +85,11 @@ impl fmt::Display for WriterLayout {
         if self.pp > 1 {
             write!(f, "pp={} ", self.pp)?;
         }
-        write!(f, "dp_replicate={} dp_shard={} cp={} tp={} ({} ranks)", self.dp_replicate, self.dp_shard, self.cp, self.tp, self.world)
+        write!(f, "dp_replicate={} dp_shard={} cp={} tp={} ", self.dp_replicate, self.dp_shard, self.cp, self.tp)?;
+        if self.ep > 1 {
+            write!(f, "ep={} ", self.ep)?;
+        }
+        write!(f, "({} ranks)", self.world)
     }
 }
 
