@@ -32,6 +32,15 @@ const MODEL: &[&str] = &[
 /// few percent of these small runs' growth).
 const PEAK_TOL: f64 = 0.15;
 
+/// The tests of this file run one at a time: two of them time what they run (the planning of
+/// a large deck, and a trained step against the probe's prediction), which the others' ranks
+/// would slow on this machine's cores.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn timing_last_row(out: &std::path::Path) -> std::collections::BTreeMap<String, f64> {
     timing_last_row_of(out, 0)
 }
@@ -46,6 +55,7 @@ fn timing_last_row_of(out: &std::path::Path, rank: usize) -> std::collections::B
 
 #[test]
 fn the_plan_matches_the_measured_bytes_and_memory() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let layouts: &[(&str, usize, &[&str])] = &[
         ("one", 1, &[]),
@@ -141,6 +151,7 @@ fn the_plan_matches_the_measured_bytes_and_memory() {
 /// token (`experts_per_token = 8`) they are the plan's to the byte too.
 #[test]
 fn the_plan_of_experts_on_ep_2_matches_the_measured_memory() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let deck_path = repo().join("inputs/moe_tiny.toml");
     for (name, extra) in [("top2", &[][..]), ("every_expert", &["model.experts_per_token=8"][..])] {
@@ -186,6 +197,7 @@ fn the_plan_of_experts_on_ep_2_matches_the_measured_memory() {
 /// all-to-all's bytes and a quarter of the experts per rank.
 #[test]
 fn the_mixtral_deck_plans_layouts_with_expert_parallelism() {
+    let _serial = one_at_a_time();
     let deck = repo().join("inputs/mixtral_8x7b.toml");
     let o = mpi_env(&mut Command::new(bin()))
         .args(["plan", deck.to_str().unwrap(), "--ranks", "64", "--ranks-per-node", "8", "--all-layouts"])
@@ -219,6 +231,7 @@ fn the_mixtral_deck_plans_layouts_with_expert_parallelism() {
 
 #[test]
 fn a_llama3_8b_deck_on_512_ranks_plans_in_seconds() {
+    let _serial = one_at_a_time();
     let deck = repo().join("inputs/llama3_8b.toml");
     let start = std::time::Instant::now();
     let o = mpi_env(&mut Command::new(bin()))
@@ -256,6 +269,7 @@ fn a_llama3_8b_deck_on_512_ranks_plans_in_seconds() {
 /// first stage holds all 16 micro-batches under 1F1B, and the pipeline moves 1 GiB each way.
 #[test]
 fn the_llama3_405b_layouts_plan_and_fit() {
+    let _serial = one_at_a_time();
     let deck = repo().join("inputs/llama3_405b.toml");
     let long: &[&str] = &["parallel.cp=16", "train.seq_len=131072", "model.max_seq_len=131072", "train.global_batch=128"];
     for sets in [&[][..], long] {
@@ -281,6 +295,7 @@ fn the_llama3_405b_layouts_plan_and_fit() {
 /// the FMA peak, misses by far more on this model of small GEMMs).
 #[test]
 fn probe_then_plan_predicts_a_measured_step_within_a_factor_of_two() {
+    let _serial = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let sets = ["train.micro_batch=4", "train.global_batch=16", "train.seq_len=128", "run.steps=6", "optim.warmup_steps=1"];
     let set_args: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
