@@ -8,7 +8,6 @@
 
 mod common;
 use common::*;
-use std::path::Path;
 
 const EXPERTS: &[&str] = &[
     "run.steps=8",
@@ -70,20 +69,6 @@ fn the_all_to_all_moves_the_bytes_of_its_formula() {
     assert_eq!(first, 2 * 4 * 4 * (2 * 64 * 8 / 2) * 64 * 4);
 }
 
-/// The expert model on 4 blocks, 6 steps with checkpoints at 3 and 6.
-fn pipeline_sets() -> Vec<&'static str> {
-    let mut sets = EXPERTS.to_vec();
-    sets.retain(|s| !s.starts_with("run.steps"));
-    sets.extend(["run.steps=6", "model.n_layers=4", "checkpoint.every=3"]);
-    sets
-}
-
-fn train(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> Vec<f64> {
-    let mut sets = pipeline_sets();
-    sets.extend_from_slice(extra);
-    train_losses(dir, name, &tiny_deck(), (ranks > 1).then_some(ranks), &sets).1
-}
-
 /// Pipelines whose stages split their experts: the rows of each stage's blocks go to the
 /// stage's ep ranks, under 1F1B and under zero bubble (the experts' weight gradients computed
 /// later from kept operands, on the rank that holds them).
@@ -91,15 +76,15 @@ fn train(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> Vec<f64> {
 fn expert_parallel_pipelines_match_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let base = train(d, "one", 1, &[]);
+    let base = train_experts(d, "one", 1, &[]);
     for (name, layout) in [
         ("ep2_pp2_1f1b", &["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"][..]),
         ("ep2_pp2_zero_bubble", &["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp_schedule=\"zero_bubble\""][..]),
     ] {
-        let l = train(d, name, 4, layout);
+        let l = train_experts(d, name, 4, layout);
         assert_losses_within(name, &base, &l, LOSS_TOL);
         assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
-        let mut sets = pipeline_sets();
+        let mut sets = expert_pipeline_sets();
         sets.extend_from_slice(layout);
         let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();
@@ -114,15 +99,15 @@ fn expert_parallel_pipelines_match_one_rank() {
 fn a_checkpoint_written_on_ep_4_resumes_on_other_layouts() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let one = train(d, "one", 1, &[]);
-    let written = train(d, "writer", 4, &["parallel.dp_shard=4", "parallel.ep=4"]);
+    let one = train_experts(d, "one", 1, &[]);
+    let written = train_experts(d, "writer", 4, &["parallel.dp_shard=4", "parallel.ep=4"]);
     assert_losses_within("EP=4", &one, &written, LOSS_TOL);
     assert_close("EP=4", &ckpt(d, "one", 6), &ckpt(d, "writer", 6));
     let resume = format!("checkpoint.resume=\"{}\"", ckpt(d, "writer", 3).display());
     for (name, ranks, layout) in [("on_one", 1, &[][..]), ("on_fsdp2_tp2", 4, &["parallel.dp_shard=2", "parallel.tp=2"][..])] {
         let mut extra = layout.to_vec();
         extra.push(&resume);
-        let l = train(d, name, ranks, &extra);
+        let l = train_experts(d, name, ranks, &extra);
         assert_losses_within(name, &one[3..], &l, LOSS_TOL);
         assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
     }
@@ -135,10 +120,10 @@ fn bias_balancing_on_ep_2_makes_the_choices_of_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let bias: &[&str] = &["model.router_aux_loss_coef=0", "model.router_bias_update_rate=0.01"];
-    let base = train(d, "one", 1, bias);
+    let base = train_experts(d, "one", 1, bias);
     let mut extra = bias.to_vec();
     extra.extend(["parallel.dp_shard=2", "parallel.ep=2"]);
-    let l = train(d, "ep2", 2, &extra);
+    let l = train_experts(d, "ep2", 2, &extra);
     assert_losses_within("EP=2 bias", &base, &l, LOSS_TOL);
     let load = |name: &str| std::fs::read_to_string(d.join(name).join("expert_load.csv")).unwrap();
     assert_eq!(load("ep2"), load("one"), "the same choices every step");
@@ -153,7 +138,7 @@ fn shared_experts_match_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let shared = "model.n_shared_experts=2";
-    let base = train(d, "one", 1, &[shared]);
+    let base = train_experts(d, "one", 1, &[shared]);
     let layouts: &[(&str, usize, &[&str])] = &[
         ("tp2_sp", 2, &["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"]),
         ("ep2_tp2_sp", 4, &["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -162,10 +147,10 @@ fn shared_experts_match_one_rank() {
     for (name, ranks, layout) in layouts {
         let mut extra = layout.to_vec();
         extra.push(shared);
-        let l = train(d, name, *ranks, &extra);
+        let l = train_experts(d, name, *ranks, &extra);
         assert_losses_within(name, &base, &l, LOSS_TOL);
         assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
-        let mut sets = pipeline_sets();
+        let mut sets = expert_pipeline_sets();
         sets.extend_from_slice(&extra);
         let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();

@@ -91,21 +91,6 @@ fn a_qwen3_moe_model_with_a_dense_block_trains_and_round_trips_through_hugging_f
     assert!(config.contains("\"Qwen3MoeForCausalLM\"") && config.contains("\"mlp_only_layers\": [\n    0\n  ]"), "{config}");
 }
 
-/// The expert model on 4 blocks (so a pipeline has 2 per stage and interleaving fits), 6
-/// steps with checkpoints at 3 and 6.
-fn pipeline_sets() -> Vec<&'static str> {
-    let mut sets = EXPERTS.to_vec();
-    sets.retain(|s| !s.starts_with("run.steps"));
-    sets.extend(["run.steps=6", "model.n_layers=4", "checkpoint.every=3"]);
-    sets
-}
-
-fn train(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> Vec<f64> {
-    let mut sets = pipeline_sets();
-    sets.extend_from_slice(extra);
-    train_losses(dir, name, &tiny_deck(), (ranks > 1).then_some(ranks), &sets).1
-}
-
 /// Pipelines carry each micro-batch's expert loads with its activations and gradients: every
 /// schedule (zero bubble keeps the experts' weight-gradient operands), composed with CP, TP
 /// and FSDP, matches one rank (losses, auxiliary
@@ -114,7 +99,7 @@ fn train(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> Vec<f64> {
 fn pipelines_of_experts_match_one_rank() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let base = train(d, "one", 1, &[]);
+    let base = train_experts(d, "one", 1, &[]);
     let aux = column(&d.join("one"), "aux_loss");
     let layouts: &[(&str, usize, &[&str])] = &[
         ("pp2_1f1b", 2, &["parallel.pp=2"]),
@@ -130,11 +115,11 @@ fn pipelines_of_experts_match_one_rank() {
         ("pp2_fsdp2_full", 4, &["parallel.pp=2", "parallel.dp_shard=2", "train.activation_checkpointing=\"full\""]),
     ];
     for (name, ranks, layout) in layouts {
-        let l = train(d, name, *ranks, layout);
+        let l = train_experts(d, name, *ranks, layout);
         assert_losses_within(name, &base, &l, LOSS_TOL);
         assert_losses_within(&format!("{name} aux_loss"), &aux, &column(&d.join(name), "aux_loss"), LOSS_TOL);
         assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
-        let mut sets = pipeline_sets();
+        let mut sets = expert_pipeline_sets();
         sets.extend_from_slice(layout);
         let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
         let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();
@@ -148,13 +133,13 @@ fn pipelines_of_experts_match_one_rank() {
 fn a_checkpoint_of_experts_resumes_on_other_layouts() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let one = train(d, "one", 1, &[]);
-    train(d, "writer", 4, &["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]);
+    let one = train_experts(d, "one", 1, &[]);
+    train_experts(d, "writer", 4, &["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]);
     let resume = format!("checkpoint.resume=\"{}\"", ckpt(d, "writer", 3).display());
     for (name, ranks, layout) in [("on_one", 1, &[][..]), ("on_pp2_fsdp2", 4, &["parallel.pp=2", "parallel.dp_shard=2"][..])] {
         let mut extra = layout.to_vec();
         extra.push(&resume);
-        let l = train(d, name, ranks, &extra);
+        let l = train_experts(d, name, ranks, &extra);
         assert_losses_within(name, &one[3..], &l, LOSS_TOL);
         assert_close(name, &ckpt(d, "one", 6), &ckpt(d, name, 6));
     }
@@ -168,10 +153,10 @@ fn bias_balancing_is_the_same_on_every_layout_and_resumes_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let bias: &[&str] = &["model.router_aux_loss_coef=0", "model.router_bias_update_rate=0.01"];
-    let base = train(d, "one", 1, bias);
+    let base = train_experts(d, "one", 1, bias);
     let load = expert_load(&d.join("one"));
     // The bias changes the choices (from step 2 on: step 1 routes with a zero bias).
-    train(d, "no_bias", 1, &["model.router_aux_loss_coef=0"]);
+    train_experts(d, "no_bias", 1, &["model.router_aux_loss_coef=0"]);
     let plain = expert_load(&d.join("no_bias"));
     assert_eq!(plain[..2], load[..2], "step 1 routes without a bias either way");
     assert_ne!(plain, load, "the bias moves the choices");
@@ -182,7 +167,7 @@ fn bias_balancing_is_the_same_on_every_layout_and_resumes_exactly() {
     ] {
         let mut extra = bias.to_vec();
         extra.extend_from_slice(layout);
-        let l = train(d, name, ranks, &extra);
+        let l = train_experts(d, name, ranks, &extra);
         assert_losses_within(name, &base, &l, LOSS_TOL);
         assert_eq!(expert_load(&d.join(name)), load, "{name}: the same choices every step");
     }
@@ -190,7 +175,7 @@ fn bias_balancing_is_the_same_on_every_layout_and_resumes_exactly() {
     let resume = format!("checkpoint.resume=\"{}\"", ckpt(d, "one", 3).display());
     let mut extra = bias.to_vec();
     extra.push(&resume);
-    let (s, _) = train_losses(d, "resumed", &tiny_deck(), None, &[pipeline_sets(), extra].concat());
+    let (s, _) = train_losses(d, "resumed", &tiny_deck(), None, &[expert_pipeline_sets(), extra].concat());
     let (whole, _) = losses(&d.join("one"));
     assert_eq!(s, whole[3..], "resumed at step 3: steps 4..6 bit for bit");
 }

@@ -53,6 +53,27 @@ fn timing_last_row_of(out: &std::path::Path, rank: usize) -> std::collections::B
     header.iter().map(|h| h.to_string()).zip(last).collect()
 }
 
+/// The model-state memory columns of a timing row equal the plan's to the byte.
+fn assert_state_matches(name: &str, row: &std::collections::BTreeMap<String, f64>, p: &ndtrain::tools::plan::RankPlan) {
+    for (col, want) in [
+        ("param_bytes", p.state.params),
+        ("grad_bytes", p.state.grads),
+        ("optim_bytes", p.state.optim),
+        ("gathered_peak_bytes", p.state.gathered_peak),
+        ("grad_scratch_bytes", p.state.grad_scratch),
+    ] {
+        assert_eq!(row[col] as usize, want, "{name}: {col}");
+    }
+}
+
+/// The predicted peak is within `PEAK_TOL` of the run's resident-set growth.
+fn assert_peak_matches_rss(name: &str, row: &std::collections::BTreeMap<String, f64>, p: &ndtrain::tools::plan::RankPlan) {
+    let grown = row["peak_rss_bytes"] - row["rss_start_bytes"];
+    let predicted = p.peak_bytes() as f64;
+    eprintln!("{name}: predicted peak {:.1} MiB, measured RSS growth {:.1} MiB", predicted / 1048576.0, grown / 1048576.0);
+    assert!((predicted - grown).abs() <= PEAK_TOL * grown, "{name}: predicted {predicted} vs measured {grown}");
+}
+
 #[test]
 fn the_plan_matches_the_measured_bytes_and_memory() {
     let _serial = one_at_a_time();
@@ -119,16 +140,8 @@ fn the_plan_matches_the_measured_bytes_and_memory() {
 
         let p = ndtrain::tools::plan::plan(&deck.resolve(*ranks).unwrap());
         let row = timing_last_row(&dir.path().join(name));
-        for (col, want) in [
-            ("param_bytes", p.state.params),
-            ("grad_bytes", p.state.grads),
-            ("optim_bytes", p.state.optim),
-            ("gathered_peak_bytes", p.state.gathered_peak),
-            ("grad_scratch_bytes", p.state.grad_scratch),
-            ("activation_bytes", p.activations.activations()),
-        ] {
-            assert_eq!(row[col] as usize, want, "{name}: {col}");
-        }
+        assert_state_matches(name, &row, &p);
+        assert_eq!(row["activation_bytes"] as usize, p.activations.activations(), "{name}: activation_bytes");
         // With a pipeline, rank 0 of every stage holds what its stage's plan says.
         let per_stage = *ranks / p.layout.pp;
         for st in p.stages.iter().skip(1) {
@@ -137,10 +150,7 @@ fn the_plan_matches_the_measured_bytes_and_memory() {
                 assert_eq!(row[col] as usize, want, "{name}: stage {}: {col}", st.stage);
             }
         }
-        let grown = row["peak_rss_bytes"] - row["rss_start_bytes"];
-        let predicted = p.peak_bytes() as f64;
-        eprintln!("{name}: predicted peak {:.1} MiB, measured RSS growth {:.1} MiB", predicted / 1048576.0, grown / 1048576.0);
-        assert!((predicted - grown).abs() <= PEAK_TOL * grown, "{name}: predicted {predicted} vs measured {grown}");
+        assert_peak_matches_rss(name, &row, &p);
     }
 }
 
@@ -164,15 +174,7 @@ fn the_plan_of_experts_on_ep_2_matches_the_measured_memory() {
         assert_bytes_match_formula(dir.path(), name, &deck, 2);
         let p = ndtrain::tools::plan::plan(&deck.resolve(2).unwrap());
         let row = timing_last_row(&dir.path().join(name));
-        for (col, want) in [
-            ("param_bytes", p.state.params),
-            ("grad_bytes", p.state.grads),
-            ("optim_bytes", p.state.optim),
-            ("gathered_peak_bytes", p.state.gathered_peak),
-            ("grad_scratch_bytes", p.state.grad_scratch),
-        ] {
-            assert_eq!(row[col] as usize, want, "{name}: {col}");
-        }
+        assert_state_matches(name, &row, &p);
         // Each rank stores half the experts' weights either way (4 experts whole, or every
         // expert's half under FSDP 2), but a block gathers only its own 4 experts.
         let fsdp = &owned[..owned.len() - extra.len() - 1];
@@ -185,10 +187,7 @@ fn the_plan_of_experts_on_ep_2_matches_the_measured_memory() {
         } else {
             assert_eq!(got, want, "{name}: activations");
         }
-        let grown = row["peak_rss_bytes"] - row["rss_start_bytes"];
-        let predicted = p.peak_bytes() as f64;
-        eprintln!("{name}: predicted peak {:.1} MiB, measured RSS growth {:.1} MiB", predicted / 1048576.0, grown / 1048576.0);
-        assert!((predicted - grown).abs() <= PEAK_TOL * grown, "{name}: predicted {predicted} vs measured {grown}");
+        assert_peak_matches_rss(name, &row, &p);
     }
 }
 

@@ -206,10 +206,10 @@ pub(super) fn moe_fwd<T: Real, B: Backend<T>>(
     }
     (ctx.hooks.progress)();
     if let Some(out) = out {
-        // out[r] = Σ_j w_{r,j} · y[position(r, j)], the choices in order.
+        // out[r] = Σ_j w_{r,j} · y[position(r, j)], the choices in order. (`moe_slot` may hold
+        // another number of rows after expert parallelism's backward.)
+        be.resize(&mut g.moe_slot, n * d);
         for j in 0..k {
-            // (`moe_slot` may hold another number of rows after expert parallelism's backward.)
-            be.resize(&mut g.moe_slot, n * d);
             let dst = if j == 0 { &mut *out } else { &mut g.moe_slot };
             be.gather_rows(dst, &a.moe_y, &routed.slot(j, k), d);
             be.scale_rows(dst, &routed.slot_weights::<T>(j, k), d);

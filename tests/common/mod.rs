@@ -288,3 +288,28 @@ pub fn assert_close(name: &str, a: &Path, b: &Path) {
         assert!(diff <= tol * scale, "{name}: {n}: max |Δ| {diff:e} vs scale {scale:e}");
     }
 }
+
+/// The tiny deck as a mixture of experts (8 experts of width 48, top-2, the auxiliary loss on)
+/// on 4 blocks, so a pipeline has 2 per stage and interleaving fits: 6 steps, one thread,
+/// clipping active, checkpoints at 3 and 6.
+pub fn expert_pipeline_sets() -> Vec<&'static str> {
+    vec![
+        "run.threads=1",
+        "optim.grad_clip=0.3",
+        "optim.warmup_steps=2",
+        "model.n_experts=8",
+        "model.experts_per_token=2",
+        "model.moe_ffn_hidden=48",
+        "model.router_aux_loss_coef=0.05",
+        "run.steps=6",
+        "model.n_layers=4",
+        "checkpoint.every=3",
+    ]
+}
+
+/// Trains `expert_pipeline_sets` + `extra` on `ranks` ranks (one: no `mpirun`); its losses.
+pub fn train_experts(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> Vec<f64> {
+    let mut sets = expert_pipeline_sets();
+    sets.extend_from_slice(extra);
+    train_losses(dir, name, &tiny_deck(), (ranks > 1).then_some(ranks), &sets).1
+}

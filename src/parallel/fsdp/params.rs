@@ -116,6 +116,17 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
         group.all_gather(&self.shards[unit], &mut self.gather_buf);
     }
 
+    /// Block `l`'s expert unit, where it has one, into its expert tensors `experts`: gathered
+    /// (blocking) after the block's own unit was unpacked, as they share the gather buffer.
+    fn unpack_experts(&mut self, l: usize, experts: &mut [&mut B::Buf]) {
+        if let Some(u) = self.plan.expert_units[l] {
+            if self.plan.expert_degree > 1 {
+                self.gather_unit(u);
+            }
+            self.plan.unpack(&self.be, u, self.gathered(u), experts);
+        }
+    }
+
     /// Unit `unit` whole in packed order, once [`Self::gather_unit`] or a prefetch has filled
     /// `gather_buf`; with degree 1 the shard itself (nothing to gather, nothing copied).
     fn gathered(&self, unit: usize) -> &B::Buf {
@@ -236,10 +247,7 @@ impl<'g, B: Backend<f32> + Clone> FsdpParams<'g, B> {
             let (mut dense, mut experts) = self.plan.split_block_mut(l, full.layers[l].tensors_mut());
             self.gather_unit(l + 1);
             self.plan.unpack(&self.be, l + 1, self.gathered(l + 1), &mut dense);
-            if let Some(u) = self.plan.expert_units[l] {
-                self.gather_unit(u);
-                self.plan.unpack(&self.be, u, self.gathered(u), &mut experts);
-            }
+            self.unpack_experts(l, &mut experts);
         }
         full
     }
@@ -263,14 +271,7 @@ impl<B: Backend<f32> + Clone> WeightSource<B::Buf> for FsdpParams<'_, B> {
             }
             let (mut dense, mut experts) = self.plan.split_block_mut(l, buf.tensors_mut());
             self.plan.unpack(&self.be, l + 1, self.gathered(l + 1), &mut dense);
-            // An expert unit is gathered (blocking) after the block's own unit was unpacked:
-            // they share the gather buffer.
-            if let Some(u) = self.plan.expert_units[l] {
-                if self.plan.expert_degree > 1 {
-                    self.gather_unit(u);
-                }
-                self.plan.unpack(&self.be, u, self.gathered(u), &mut experts);
-            }
+            self.unpack_experts(l, &mut experts);
             self.track((self.plan.block_elements(l) * 4) as isize);
             self.blocks[l] = Some(buf);
         }
