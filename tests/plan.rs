@@ -305,7 +305,19 @@ fn probe_then_plan_predicts_a_measured_step_within_a_factor_of_two() {
     assert!(o.status.success(), "{}", text(&o));
     let probe = String::from_utf8_lossy(&o.stdout).to_string();
     let hardware = &probe[probe.find("[hardware]").expect("a [hardware] table")..];
-    for key in ["cores_per_node", "gemm_half_rate_flops", "block_other_s_per_token", "optimizer_bandwidth", "intra_node_latency"] {
+    for key in [
+        "cores_per_node",
+        "gemm_half_rate_rows",
+        "gemm_half_rate_cols",
+        "block_other_s_per_token",
+        "attention_s_per_token",
+        "block_s_per_token",
+        "optimizer_bandwidth",
+        "intra_node_reduce_bandwidth",
+        "intra_node_latency",
+        "tp_extra_s_per_token",
+        "cp_extra_s_per_token",
+    ] {
         assert!(hardware.contains(key), "{key} missing:\n{probe}");
     }
     let calibrated = dir.path().join("calibrated.toml");
@@ -331,4 +343,22 @@ fn probe_then_plan_predicts_a_measured_step_within_a_factor_of_two() {
     let measured = steps[steps.len() / 2];
     let ratio = predicted / measured;
     assert!((0.5..2.0).contains(&ratio), "predicted {predicted} s, measured {measured} s (ratio {ratio:.2})\n{plan}");
+}
+
+/// Without FSDP a replicated rank all-reduces one unit's gradient per call: the plan prices
+/// the dp_rep all-reduce as the ring's bytes over the bandwidth plus a latency per unit (a
+/// plan that took one call per byte priced this layout at minutes per step).
+#[test]
+fn replicated_data_parallelism_is_priced_per_unit() {
+    let deck = repo().join("inputs/bench_small.toml");
+    let sets = ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch=1", "train.global_batch=4"].map(String::from);
+    let d = Deck::from_file(&deck, &sets).unwrap();
+    let p = ndtrain::tools::plan::plan(&d.resolve(2).unwrap());
+    let hw = ndtrain::config::HardwareCfg { intra_node_bandwidth: 1e9, intra_node_latency: 1e-6, ranks_per_node: 2, ..Default::default() };
+    let c = ndtrain::tools::plan::cost(&p, &d, &hw, 1e11);
+    // A ring all-reduce over 2 ranks moves 2·(n−1)/n = 1 time the bytes.
+    let ring = p.comm["dp_rep.all_reduce"] as f64 / 1e9;
+    let units = (d.model.n_layers + 1) as f64;
+    let dp = c.comm_s["dp_rep"];
+    assert!(dp >= ring && dp <= ring + 2.0 * units * 1e-6 + 1e-9, "dp_rep {dp} s for {ring} s of bytes");
 }

@@ -559,6 +559,9 @@ pub struct HardwareCfg {
     pub ranks_per_node: usize,
     /// Bandwidth of one rank to another rank of its node, bytes/s.
     pub intra_node_bandwidth: f64,
+    /// The same for collectives that sum what they move (all-reduce, reduce-scatter), bytes/s
+    /// (0 = `intra_node_bandwidth`).
+    pub intra_node_reduce_bandwidth: f64,
     /// One rank's share of its node's network bandwidth, bytes/s.
     pub inter_node_bandwidth: f64,
     /// Latency of one message inside a node, seconds.
@@ -567,12 +570,32 @@ pub struct HardwareCfg {
     pub inter_node_latency: f64,
     /// Cores the ranks of a node share (0 = unknown: no oversubscription is modelled).
     pub cores_per_node: usize,
-    /// FLOPs of one GEMM at which it runs at half of `peak_flops_per_rank` (0 = every GEMM at
-    /// the peak); `ndtrain probe --deck` fits it on the deck's shapes.
-    pub gemm_half_rate_flops: f64,
-    /// Seconds per token per transformer block of forward + backward outside the GEMMs
-    /// (attention, norms, activations, residuals), measured on the real model.
+    /// The GEMM rate curve `peak / (1 + half_rows/rows + half_cols/n + half_inner/k)` of a
+    /// linear layer of `rows` tokens, `n` outputs and `k` inputs (all 0 = every GEMM at
+    /// `peak_flops_per_rank`); `ndtrain probe --deck` fits them on the deck's shapes.
+    pub gemm_half_rate_rows: f64,
+    pub gemm_half_rate_cols: f64,
+    pub gemm_half_rate_inner: f64,
+    /// Seconds per token per transformer block of forward + backward outside the GEMMs and
+    /// attention (norms, activations, residuals), measured on the real model.
     pub block_other_s_per_token: f64,
+    /// Seconds per token per block of the attention's forward + backward (every head) at the
+    /// deck's `seq_len`, measured on the host kernels; `plan` cuts it over `tp`.
+    pub attention_s_per_token: f64,
+    /// Seconds per token per block of the work on whole `[tokens, d_model]` rows (RMSNorms,
+    /// residual adds; forward + backward), which every rank of a tensor-parallel group repeats
+    /// unless sequence parallelism cuts the tokens; part of `block_other_s_per_token`.
+    pub replicated_s_per_token: f64,
+    /// Seconds per token per block that the real model's step with `tp = 2` (and with
+    /// `cp = 2`) on pairs of ranks took beyond the rest of this model: `plan` adds it, scaled
+    /// by the degree, to layouts with that axis (`ndtrain probe --deck` measures both).
+    pub tp_extra_s_per_token: f64,
+    pub cp_extra_s_per_token: f64,
+    /// `[tokens, seconds]` pairs: one block's forward + backward outside attention per token
+    /// of a micro-batch of that many tokens on one rank, measured on the real model (empty =
+    /// the GEMM curve and `block_other_s_per_token`). The planner interpolates it at a rank's
+    /// tokens.
+    pub block_s_per_token: Vec<[f64; 2]>,
     /// Bytes/s of the optimiser's memory traffic (28 bytes per parameter: AdamW reads
     /// p, g, m, v and writes p, m, v), measured on the real model. With this or
     /// `block_other_s_per_token` above 0 the planner uses its calibrated time model.
@@ -590,12 +613,20 @@ impl Default for HardwareCfg {
             memory_per_rank: 0.0,
             ranks_per_node: 1,
             intra_node_bandwidth: 10e9,
+            intra_node_reduce_bandwidth: 0.0,
             inter_node_bandwidth: 12.5e9,
             intra_node_latency: 1e-6,
             inter_node_latency: 5e-6,
             cores_per_node: 0,
-            gemm_half_rate_flops: 0.0,
+            gemm_half_rate_rows: 0.0,
+            gemm_half_rate_cols: 0.0,
+            gemm_half_rate_inner: 0.0,
             block_other_s_per_token: 0.0,
+            attention_s_per_token: 0.0,
+            replicated_s_per_token: 0.0,
+            tp_extra_s_per_token: 0.0,
+            cp_extra_s_per_token: 0.0,
+            block_s_per_token: vec![],
             optimizer_bandwidth: 0.0,
             memory_bandwidth: 0.0,
         }

@@ -165,15 +165,27 @@ impl Deck {
         need(h.ranks_per_node >= 1, || err(format!("[hardware] ranks_per_node({}) must be >= 1", h.ranks_per_node)))?;
         for (key, v) in [
             ("intra_node_bandwidth", h.intra_node_bandwidth),
+            ("intra_node_reduce_bandwidth", h.intra_node_reduce_bandwidth),
             ("inter_node_bandwidth", h.inter_node_bandwidth),
             ("intra_node_latency", h.intra_node_latency),
             ("inter_node_latency", h.inter_node_latency),
-            ("gemm_half_rate_flops", h.gemm_half_rate_flops),
+            ("gemm_half_rate_rows", h.gemm_half_rate_rows),
+            ("gemm_half_rate_cols", h.gemm_half_rate_cols),
+            ("gemm_half_rate_inner", h.gemm_half_rate_inner),
             ("block_other_s_per_token", h.block_other_s_per_token),
+            ("attention_s_per_token", h.attention_s_per_token),
+            ("replicated_s_per_token", h.replicated_s_per_token),
+            ("tp_extra_s_per_token", h.tp_extra_s_per_token),
+            ("cp_extra_s_per_token", h.cp_extra_s_per_token),
             ("optimizer_bandwidth", h.optimizer_bandwidth),
             ("memory_bandwidth", h.memory_bandwidth),
         ] {
             non_negative_finite("hardware", key, v)?;
+        }
+        for &[tokens, s] in &h.block_s_per_token {
+            need(tokens >= 1.0 && tokens.is_finite() && s >= 0.0 && s.is_finite(), || {
+                err(format!("[hardware] block_s_per_token has [{tokens}, {s}]: each pair must be [tokens >= 1, seconds >= 0]"))
+            })?;
         }
         need(h.intra_node_bandwidth > 0.0 && h.inter_node_bandwidth > 0.0, || {
             err(format!(

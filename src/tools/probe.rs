@@ -10,14 +10,18 @@
 //! work's time per token and block) and its AdamW step, a triad, and the program's own
 //! all-reduce, all-gather and reduce-scatter over the node for latency and bandwidth.
 
-use crate::backend::cpu::gemm::linear_fwd;
+use crate::backend::cpu::attention::{attention_bwd, attention_fwd};
+use crate::backend::cpu::gemm::{linear_bwd, linear_fwd};
+use crate::backend::cpu::kernels::{add_assign, rmsnorm_bwd, rmsnorm_fwd};
 use crate::backend::cpu::probe::{fma_peak_of, gemm_flops, memory_bandwidth, FmaKernel};
 use crate::backend::cpu::Cpu;
-use crate::config::{Deck, ModelCfg};
+use crate::backend::AttnDims;
+use crate::config::{Deck, HardwareCfg, ModelCfg};
 use crate::metrics::{median, Phase};
 use crate::parallel::collective::MeshCollectives;
 use crate::parallel::comm::{Group, Runtime};
 use crate::parallel::mesh::Mesh;
+use crate::tools::plan::time::{model_gemms, rate_of, GemmShape, RateCurve};
 use crate::train::step::Trainer;
 use std::path::Path;
 use std::time::Instant;
@@ -51,9 +55,16 @@ pub struct Calibration {
     pub ranks_per_node: usize,
     pub cores_per_node: usize,
     pub threads: usize,
-    pub gemm_peak: f64,
-    pub gemm_half: f64,
+    pub gemm_curve: RateCurve,
     pub block_other_s_per_token: f64,
+    /// One block's attention (all heads) per token of the deck's micro-batch.
+    pub attention_s_per_token: f64,
+    /// One block's work on whole `[tokens, d_model]` rows (its two RMSNorms and residual adds,
+    /// forward and backward), per token: every rank of a tensor-parallel group repeats it.
+    pub replicated_s_per_token: f64,
+    /// `[tokens, seconds per token]` of one block's forward + backward outside attention at
+    /// micro-batches of the deck's length cut 1, 2, 4 and 8 times.
+    pub block_s_per_token: Vec<[f64; 2]>,
     pub optimizer_bandwidth: f64,
     pub memory_bandwidth: f64,
     /// `(latency s, bandwidth bytes/s)` of the node's all-reduce, all-gather, reduce-scatter
@@ -65,8 +76,46 @@ pub struct Calibration {
     /// One rank's measured forward + backward and optimiser seconds, for the report.
     pub model_fb_s: f64,
     pub model_opt_s: f64,
-    /// `(FLOPs, FLOP/s)` of every timed GEMM.
-    pub gemm_points: Vec<(f64, f64)>,
+    /// Every timed GEMM shape.
+    pub gemm_points: Vec<GemmPoint>,
+    /// Per axis run on pairs of ranks (`tp`, `cp`): its seconds per micro-batch measured and
+    /// as the model predicts it without the axis' extra term.
+    pub pairs: Vec<(&'static str, f64, f64)>,
+    /// What those runs took beyond the model, per token per block at degree 2.
+    pub tp_extra_s_per_token: f64,
+    pub cp_extra_s_per_token: f64,
+}
+
+impl Calibration {
+    /// The `[hardware]` table of what was measured (`deck`'s other keys as they are).
+    pub fn hardware(&self) -> HardwareCfg {
+        let mut h = HardwareCfg {
+            ranks_per_node: self.ranks_per_node,
+            cores_per_node: self.cores_per_node,
+            peak_flops_per_rank: self.gemm_curve.peak,
+            gemm_half_rate_rows: self.gemm_curve.half_rows,
+            gemm_half_rate_cols: self.gemm_curve.half_cols,
+            gemm_half_rate_inner: self.gemm_curve.half_inner,
+            block_other_s_per_token: self.block_other_s_per_token,
+            attention_s_per_token: self.attention_s_per_token,
+            replicated_s_per_token: self.replicated_s_per_token,
+            block_s_per_token: self.block_s_per_token.clone(),
+            optimizer_bandwidth: self.optimizer_bandwidth,
+            memory_bandwidth: self.memory_bandwidth,
+            tp_extra_s_per_token: self.tp_extra_s_per_token,
+            cp_extra_s_per_token: self.cp_extra_s_per_token,
+            ..HardwareCfg::default()
+        };
+        if let Some(c) = &self.collectives {
+            // Moving bytes (the all-gather) and moving and summing them (the others) differ by
+            // the reduction's pass over memory.
+            (h.intra_node_bandwidth, h.intra_node_reduce_bandwidth) = (c[1].1, c[0].1.min(c[2].1));
+            // The all-reduce's cost counts 2(n−1) latencies: the wait between compute spread so.
+            let steps = 2.0 * (self.ranks_per_node.max(2) - 1) as f64;
+            h.intra_node_latency = c.iter().map(|x| x.0).fold(self.sync_wait_s / steps, f64::max);
+        }
+        h
+    }
 }
 
 /// `ndtrain probe --deck DECK` on this rank: the report (rank 0) or `None` (other ranks).
@@ -81,34 +130,51 @@ pub fn run_deck(deck_path: &Path, set: &[String]) -> Result<Option<String>, Stri
     let mut cal =
         Calibration { ranks_per_node: node.size(), cores_per_node: crate::run::placement::node_cpus(), threads, ..Calibration::default() };
     fit_gemm(&world, &deck.model, deck.train.micro_batch * deck.train.seq_len, &mut cal);
-    let alone = world.split("probe_self", world.rank(), 0);
-    let (fb, opt, params) = world.agree(model_step(&deck, alone).map_err(|e| format!("probe: the model's step failed: {e}")))?;
-    cal.model_fb_s = world_max(&world, fb);
-    cal.model_opt_s = world_max(&world, opt);
+    let step = |seq_len: usize| {
+        let alone = world.split("probe_self", world.rank(), 0);
+        world.agree(model_step(&deck, alone, seq_len, (1, 1)).map_err(|e| format!("probe: the model's step failed: {e}")))
+    };
+    let own = step(deck.train.seq_len)?;
+    cal.model_fb_s = world_max(&world, own.fb);
+    cal.model_opt_s = world_max(&world, own.comm + own.optimizer);
     let tokens = (deck.train.micro_batch * deck.train.seq_len) as f64;
     let gemm_s: f64 =
-        model_gemms(&deck.model, tokens as usize, 1, deck.model.n_layers).iter().map(|&(f, n)| n * 3.0 * f / cal.rate(f)).sum();
+        model_gemms(&deck.model, tokens as usize, 1, deck.model.n_layers).iter().map(|g| g.count * 3.0 * g.flops() / cal.rate(g)).sum();
     // The model's own step is the anchor: GEMMs timed alone slower than the whole step ran
     // (another load, colder caches) are rescaled to fit in it, leaving nothing for the rest.
     if gemm_s > cal.model_fb_s {
-        cal.gemm_peak *= gemm_s / cal.model_fb_s.max(1e-9);
+        cal.gemm_curve.peak *= gemm_s / cal.model_fb_s.max(1e-9);
     }
-    cal.block_other_s_per_token = ((cal.model_fb_s - gemm_s) / (tokens * deck.model.n_layers as f64)).max(0.0);
-    cal.optimizer_bandwidth = 28.0 * params as f64 / cal.model_opt_s.max(1e-9);
+    let attention = |seq_len: usize| world_max(&world, attention_s(&world, &deck, seq_len)) / (deck.train.micro_batch * seq_len) as f64;
+    cal.attention_s_per_token = attention(deck.train.seq_len);
+    cal.replicated_s_per_token = world_max(&world, replicated_s(&world, &deck)) / tokens;
+    let rest = (cal.model_fb_s - gemm_s) / (tokens * deck.model.n_layers as f64) - cal.attention_s_per_token;
+    cal.block_other_s_per_token = rest.max(0.0);
+    // The block at the shorter micro-batches context parallelism gives a rank: a GEMM library
+    // has thresholds in the rows the fitted curve smooths over.
+    for cut in [1, 2, 4, 8].into_iter().filter(|&c| deck.train.seq_len % c == 0 && deck.train.seq_len / c >= 32) {
+        let fb = if cut == 1 { cal.model_fb_s } else { world_max(&world, step(deck.train.seq_len / cut)?.fb) };
+        let rows = deck.train.micro_batch * deck.train.seq_len / cut;
+        let head = model_gemms(&deck.model, rows, 1, 1).last().map_or(0.0, |g| 3.0 * g.flops() / cal.rate(g));
+        let per_token = (fb - head) / (rows * deck.model.n_layers) as f64 - attention(deck.train.seq_len / cut);
+        cal.block_s_per_token.push([rows as f64, per_token.max(0.0)]);
+    }
+    cal.optimizer_bandwidth = 28.0 * own.params as f64 / cal.model_opt_s.max(1e-9);
     world.barrier();
     cal.memory_bandwidth = world_min(&world, memory_bandwidth());
     if world.size() > 1 {
         cal.collectives = Some(collectives(&world));
         cal.sync_wait_s = sync_wait(&world);
+        calibrate_pairs(&world, &deck, &mut cal)?;
     }
     // The groups are freed before `rt` finalises MPI (locals drop in reverse order).
     Ok((world.rank() == 0).then(|| describe(&cal, deck_path)))
 }
 
 impl Calibration {
-    /// The fitted GEMM rate of one GEMM of `flops` FLOPs.
-    pub fn rate(&self, flops: f64) -> f64 {
-        self.gemm_peak * flops / (flops + self.gemm_half)
+    /// The fitted rate of a linear layer of shape `g`.
+    pub fn rate(&self, g: &GemmShape) -> f64 {
+        rate_of(&self.gemm_curve, g.rows, g.n, g.k)
     }
 }
 
@@ -120,86 +186,242 @@ fn world_min(world: &Group, x: f64) -> f64 {
     world.min_max_sum_f64(x).0
 }
 
-/// The forward GEMMs of one micro-batch of `tokens` tokens on one rank of `tp`, their
-/// N-dimension split by `tp`, as `(FLOPs, how many)`: per block the q/k/v projection, the
-/// output projection, gate and up, down; once the head. Backward runs two of each size.
-pub fn model_gemms(m: &ModelCfg, tokens: usize, tp: usize, blocks: usize) -> Vec<(f64, f64)> {
-    let (d, hd) = (m.d_model, m.head_dim());
-    let f = |n: usize, k: usize| 2.0 * tokens as f64 * n as f64 * k as f64;
-    let b = blocks as f64;
-    vec![
-        (f((m.n_heads + 2 * m.n_kv_heads) * hd / tp, d), b),
-        (f(d, m.n_heads * hd / tp), b),
-        (f(2 * m.ffn_hidden / tp, d), b),
-        (f(d, m.ffn_hidden / tp), b),
-        (f(m.vocab_size.div_ceil(tp), d), 1.0),
-    ]
+/// One timed GEMM shape: its rows, outputs and inputs, and the FLOP/s of its forward and
+/// backward.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmPoint {
+    pub rows: usize,
+    pub n: usize,
+    pub k: usize,
+    pub rate: f64,
 }
 
-/// Times every distinct GEMM shape of the deck (as the linear layer's forward) on 1, ½ and ¼
-/// of a micro-batch's tokens, all ranks at once, and fits `1/rate = 1/peak + half/(peak·f)`
-/// by least squares over the slowest rank's rates.
+/// Times every distinct linear-layer shape of the deck, forward and backward (`dx` and `dw`),
+/// on 1, ½ and ¼ of a micro-batch's tokens and as tensor parallelism of 1, 2 and 4 cuts them
+/// (where the heads and the FFN divide), all ranks at once ([`contended`]), and fits the rate
+/// curve
+/// `1/rate = (1 + half_rows/rows + half_cols/n + half_inner/k) / peak` ([`fit_rate_curve`]) to
+/// the slowest rank's rates. The rate follows the GEMM's sides, not the FLOPs alone: a GEMM
+/// library packs each operand once per call, so fewer tokens (context parallelism, smaller
+/// micro-batches) or narrower weights per rank (tensor parallelism) leave less work to spread
+/// that cost over.
 fn fit_gemm(world: &Group, m: &ModelCfg, tokens: usize, cal: &mut Calibration) {
-    let (d, hd) = (m.d_model, m.head_dim());
-    let shapes =
-        [((m.n_heads + 2 * m.n_kv_heads) * hd, d), (d, m.n_heads * hd), (2 * m.ffn_hidden, d), (d, m.ffn_hidden), (m.vocab_size, d)];
+    let cuts = [1, 2, 4].into_iter().filter(|&tp| m.n_kv_heads % tp == 0 && m.ffn_hidden % tp == 0);
+    let mut shapes: Vec<GemmShape> = cuts.flat_map(|tp| model_gemms(m, tokens, tp, 1)).collect();
+    shapes.sort_by_key(|s| (s.n, s.k));
+    shapes.dedup_by_key(|s| (s.n, s.k));
     for rows in [tokens, tokens / 2, tokens / 4].into_iter().filter(|&r| r >= 1) {
-        for &(n, k) in &shapes {
+        for s in &shapes {
+            let (n, k) = (s.n, s.k);
             let x = vec![0.5f32; rows * k];
             let w = vec![0.25f32; n * k];
             let mut y = vec![0.0f32; rows * n];
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                world.barrier();
-                let t = Instant::now();
+            let (mut dx, mut dw) = (vec![0.0f32; rows * k], vec![0.0f32; n * k]);
+            let best = contended(world, || {
                 linear_fwd(&mut y, &x, &w, rows, n, k, false);
-                best = best.min(t.elapsed().as_secs_f64());
-            }
-            let flops = 2.0 * (rows * n * k) as f64;
-            cal.gemm_points.push((flops, flops / world_max(world, best)));
+                linear_bwd(&mut dx, false, &mut dw, &y, &x, &w, rows, n, k);
+            });
+            let flops = 3.0 * GemmShape { rows, ..*s }.flops();
+            cal.gemm_points.push(GemmPoint { rows, n, k, rate: flops / world_max(world, best) });
         }
     }
-    let pts: Vec<(f64, f64)> = cal.gemm_points.iter().map(|&(f, r)| (1.0 / f, 1.0 / r)).collect();
-    let n = pts.len() as f64;
-    let (mx, my) = (pts.iter().map(|p| p.0).sum::<f64>() / n, pts.iter().map(|p| p.1).sum::<f64>() / n);
-    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-    let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
-    let intercept = my - slope * mx;
-    // A curve that does not flatten within the sizes measured: the best rate seen is the peak.
-    let best = cal.gemm_points.iter().map(|p| p.1).fold(0.0, f64::max);
-    cal.gemm_peak = if intercept > 0.0 { (1.0 / intercept).min(4.0 * best) } else { best };
-    cal.gemm_half = slope * cal.gemm_peak;
+    cal.gemm_curve = fit_rate_curve(&cal.gemm_points);
+}
+
+/// The curve `1/rate = a + b/rows + c/n + e/k` (`peak = 1/a`, each half its coefficient over
+/// `a`) by least squares on the relative error (weights `rate²`), every coefficient `≥ 0`: of
+/// the fits with the terms kept, the best whose coefficients are all non-negative. A curve that
+/// does not flatten within the sizes measured keeps its peak within 4 × the best rate seen.
+pub fn fit_rate_curve(points: &[GemmPoint]) -> RateCurve {
+    let best = points.iter().map(|p| p.rate).fold(0.0, f64::max);
+    let a: Vec<[f64; 4]> = points.iter().map(|p| [1.0, 1.0 / p.rows as f64, 1.0 / p.n as f64, 1.0 / p.k as f64]).collect();
+    let y: Vec<f64> = points.iter().map(|p| 1.0 / p.rate).collect();
+    let w: Vec<f64> = points.iter().map(|p| p.rate * p.rate).collect();
+    let residual = |x: &[f64; 4]| -> f64 {
+        a.iter().zip(&y).zip(&w).map(|((row, yi), wi)| wi * (row.iter().zip(x).map(|(r, c)| r * c).sum::<f64>() - yi).powi(2)).sum()
+    };
+    // The intercept always; every subset of the three size terms.
+    let fits = (0..8u32).filter_map(|mask| {
+        let keep = [true, mask & 1 != 0, mask & 2 != 0, mask & 4 != 0];
+        weighted_least_squares(&a, &y, &w, keep).filter(|x| x[0] > 0.0 && x[1..].iter().all(|&c| c >= 0.0))
+    });
+    match fits.min_by(|p, q| residual(p).total_cmp(&residual(q))) {
+        Some(x) => {
+            let peak = (1.0 / x[0]).min(4.0 * best);
+            RateCurve { peak, half_rows: x[1] / x[0], half_cols: x[2] / x[0], half_inner: x[3] / x[0] }
+        }
+        None => RateCurve { peak: best, ..RateCurve::default() },
+    }
+}
+
+/// Minimises `Σ w·(a·x − y)²` over the coefficients `keep` marks (the others 0) by the normal
+/// equations; `None` when they are singular (too few distinct sizes).
+fn weighted_least_squares(a: &[[f64; 4]], y: &[f64], w: &[f64], keep: [bool; 4]) -> Option<[f64; 4]> {
+    let idx: Vec<usize> = (0..4).filter(|&i| keep[i]).collect();
+    let n = idx.len();
+    let mut m = vec![vec![0.0; n + 1]; n];
+    for ((row, &yi), &wi) in a.iter().zip(y).zip(w) {
+        for (r, &i) in idx.iter().enumerate() {
+            for (c, &j) in idx.iter().enumerate() {
+                m[r][c] += wi * row[i] * row[j];
+            }
+            m[r][n] += wi * row[i] * yi;
+        }
+    }
+    // Gauss-Jordan elimination with partial pivoting.
+    for col in 0..n {
+        let piv = (col..n).max_by(|&i, &j| m[i][col].abs().total_cmp(&m[j][col].abs()))?;
+        if m[piv][col].abs() < 1e-12 * m[piv].iter().map(|v| v.abs()).fold(0.0, f64::max).max(f64::MIN_POSITIVE) {
+            return None;
+        }
+        m.swap(col, piv);
+        let pivot = m[col].clone();
+        for (r, row) in m.iter_mut().enumerate() {
+            if r != col {
+                let f = row[col] / pivot[col];
+                for (x, p) in row[col..].iter_mut().zip(&pivot[col..]) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    let mut x = [0.0; 4];
+    for (r, &i) in idx.iter().enumerate() {
+        x[i] = m[r][n] / m[r][r];
+    }
+    x.iter().all(|v| v.is_finite()).then_some(x)
+}
+
+/// The seconds of one call of `work` with every rank of `world` running it at once: the best
+/// of 2 rounds of 3 calls back to back (so that ranks sharing cores share them throughout,
+/// rather than one running alone while the others wait), on this rank.
+fn contended(world: &Group, mut work: impl FnMut()) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..2 {
+        world.barrier();
+        let t = Instant::now();
+        for _ in 0..3 {
+            work();
+        }
+        best = best.min(t.elapsed().as_secs_f64() / 3.0);
+    }
+    best
+}
+
+/// One block's attention forward and backward (the host kernels, every head) on a micro-batch
+/// of the deck's sequences cut to `seq_len` tokens, causal, every rank at once ([`contended`]).
+fn attention_s(world: &Group, deck: &Deck, seq_len: usize) -> f64 {
+    let m = &deck.model;
+    let dm = AttnDims { b: deck.train.micro_batch, h: m.n_heads, kv: m.n_kv_heads, sq: seq_len, sk: seq_len, hd: m.head_dim() };
+    let (q_len, kv_len) = (dm.b * dm.h * seq_len * dm.hd, dm.b * dm.kv * seq_len * dm.hd);
+    let (q, k, v) = (vec![0.01f32; q_len], vec![0.02f32; kv_len], vec![0.03f32; kv_len]);
+    let (mut o, mut lse, mut dq) = (vec![0.0f32; q_len], vec![0.0f32; dm.b * dm.h * seq_len], vec![0.0f32; q_len]);
+    let (mut dk, mut dv) = (vec![0.0f32; kv_len], vec![0.0f32; kv_len]);
+    let pos: Vec<usize> = (0..seq_len).collect();
+    contended(world, || {
+        attention_fwd(&mut o, &mut lse, &q, &k, &v, &pos, &pos, dm);
+        attention_bwd(&mut dq, &mut dk, &mut dv, &o, &q, &k, &v, &o, &lse, &pos, &pos, dm);
+    })
+}
+
+/// One block's work on whole `[tokens, d_model]` rows for the deck's micro-batch, every rank
+/// at once ([`contended`]): the two RMSNorms forward and backward and the residual adds (two
+/// forward, two backward), the host kernels the block runs.
+fn replicated_s(world: &Group, deck: &Deck) -> f64 {
+    let (rows, d) = (deck.train.micro_batch * deck.train.seq_len, deck.model.d_model);
+    let x = vec![0.5f32; rows * d];
+    let w = vec![1.0f32; d];
+    let (mut y, mut dx, mut acc) = (vec![0.0f32; rows * d], vec![0.0f32; rows * d], vec![0.0f32; rows * d]);
+    let (mut rstd, mut dw) = (vec![0.0f32; rows], vec![0.0f32; d]);
+    contended(world, || {
+        for _ in 0..2 {
+            rmsnorm_fwd(&mut y, &mut rstd, &x, &w, d, 1e-5);
+            rmsnorm_bwd(&mut dx, &mut dw, &y, &x, &w, &rstd, d, true);
+            add_assign(&mut acc, &x);
+            add_assign(&mut acc, &dx);
+        }
+    })
 }
 
 /// One micro-batch of the real model on this rank alone (`alone`: a group of one): the median
-/// forward + backward and optimiser seconds of 5 steps after one warm-up, and the parameters.
-fn model_step(deck: &Deck, alone: Group) -> Result<(f64, f64, usize), String> {
+/// forward + backward and optimiser seconds of 7 steps after one warm-up, and the parameters.
+fn model_step(deck: &Deck, group: Group, seq_len: usize, (tp, cp): (usize, usize)) -> Result<StepTimes, String> {
     let mut d = deck.clone();
+    d.train.seq_len = seq_len;
     let p = &mut d.parallel;
-    (p.pp, p.pp_virtual, p.pp_layers, p.tp, p.cp, p.dp_replicate, p.dp_shard) = (1, 1, vec![], 1, 1, 1, 1);
+    (p.pp, p.pp_virtual, p.pp_layers, p.tp, p.cp, p.dp_replicate, p.dp_shard) = (1, 1, vec![], tp as i64, cp as i64, 1, 1);
     d.train.global_batch = d.train.micro_batch;
     d.train.grad_accum = 0;
     d.run.steps = d.run.steps.max(8);
-    let res = d.resolve(1).map_err(|e| e.to_string())?;
-    let mesh = Mesh::new(alone, res.layout);
+    let res = d.resolve(group.size()).map_err(|e| e.to_string())?;
+    let mesh = Mesh::new(group, res.layout);
     let be = Cpu { precision: res.deck.train.precision, staged: false };
     let mut trainer = Trainer::seeded(be, MeshCollectives::host(&mesh), &res, &mesh).map_err(|e| e.to_string())?;
-    let (mut fb, mut opt) = (vec![], vec![]);
-    for step in 0..6u64 {
+    let (mut fb, mut comm, mut opt) = (vec![], vec![], vec![]);
+    for step in 0..8u64 {
         let out = trainer.step(step).map_err(|e| e.to_string())?;
         if step > 0 {
             let ph = &out.phases;
             fb.push(ph[Phase::Data] + ph[Phase::Forward] + ph[Phase::Backward]);
-            opt.push(ph[Phase::Comm] + ph[Phase::Optimizer]);
+            comm.push(ph[Phase::Comm]);
+            opt.push(ph[Phase::Optimizer]);
         }
     }
     let params = crate::model::params::param_specs(&res.deck.model).iter().map(|s| s.numel()).sum();
-    Ok((median(&fb), median(&opt), params))
+    Ok(StepTimes { fb: median(&fb), comm: median(&comm), optimizer: median(&opt), params })
+}
+
+/// Medians of one micro-batch's steps: forward + backward (data included), the gradients'
+/// reduction left after it, AdamW; and the model's parameters.
+struct StepTimes {
+    fb: f64,
+    comm: f64,
+    optimizer: f64,
+    params: usize,
+}
+
+/// Runs the real model with `tp = 2` and then `cp = 2` (where the deck allows them) on pairs
+/// of consecutive ranks, every pair at once, and records in `cal` what one micro-batch's
+/// forward, backward and gradient reduction took beyond what the planner predicts for it from
+/// the rest of the calibration: per token per block of the rank, the term `plan` adds for that
+/// axis (`docs/planning.md`). Nothing on an odd number of ranks.
+fn calibrate_pairs(world: &Group, deck: &Deck, cal: &mut Calibration) -> Result<(), String> {
+    if world.size() < 2 || world.size() % 2 == 1 {
+        return Ok(());
+    }
+    let m = &deck.model;
+    let s = deck.train.seq_len;
+    let axes = [("tp", (2, 1), m.n_kv_heads % 2 == 0 && m.ffn_hidden % 2 == 0), ("cp", (1, 2), s % 4 == 0)];
+    for (axis, (tp, cp), allowed) in axes {
+        if !allowed {
+            continue;
+        }
+        let pair = world.split("probe_pair", world.rank() / 2, world.rank() % 2);
+        let t = world.agree(model_step(deck, pair, s, (tp, cp)).map_err(|e| format!("probe: the model's step on {axis} 2 failed: {e}")))?;
+        let measured = world_max(world, t.fb + t.comm);
+        let mut d = deck.clone();
+        let p = &mut d.parallel;
+        (p.pp, p.pp_virtual, p.pp_layers, p.tp, p.cp, p.dp_replicate, p.dp_shard) = (1, 1, vec![], tp as i64, cp as i64, 1, 1);
+        (d.train.global_batch, d.train.grad_accum) = (d.train.micro_batch, 0);
+        d.hardware = HardwareCfg { tp_extra_s_per_token: 0.0, cp_extra_s_per_token: 0.0, ..cal.hardware() };
+        let res = d.resolve(2).map_err(|e| e.to_string())?;
+        let plan = crate::tools::plan::plan(&res);
+        let c = crate::tools::plan::cost(&plan, &res.deck, &res.deck.hardware, d.hardware.peak_flops_per_rank);
+        let predicted = c.step_s - c.stages.iter().map(|st| st.optimizer_s + st.grad_s).fold(0.0, f64::max);
+        let token_blocks = (deck.train.micro_batch * s / cp * m.n_layers) as f64;
+        let extra = ((measured - predicted) / token_blocks).max(0.0);
+        if axis == "tp" {
+            cal.tp_extra_s_per_token = extra;
+        } else {
+            cal.cp_extra_s_per_token = extra;
+        }
+        cal.pairs.push((axis, measured, predicted));
+    }
+    Ok(())
 }
 
 /// Latency and bandwidth of the program's all-reduce, all-gather and reduce-scatter over
-/// `world`: from the median of 30 calls of 8 bytes per rank and of 5 calls of 8 MiB, under the
+/// `world`: from the median of 30 calls of 8 bytes per rank and of 11 calls of 8 MiB, under the
 /// ring's cost `a·(n−1)·latency + a·(n−1)/n·bytes/bandwidth` (`a` = 2 for the all-reduce).
 fn collectives(world: &Group) -> [(f64, f64); 3] {
     let n = world.size();
@@ -228,7 +450,7 @@ fn collectives(world: &Group) -> [(f64, f64); 3] {
         let latency = small / steps;
         // The bytes a ring moves per rank: the whole buffer's (n−1)/n, `a` times.
         let buffer = 4.0 * (if kind == 0 { big } else { big * n }) as f64;
-        let large = time(kind, big, 5);
+        let large = time(kind, big, 11);
         let bandwidth = steps / n as f64 * buffer / (large - small).max(1e-9);
         (latency, bandwidth)
     })
@@ -272,26 +494,77 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
         cal.threads,
         cal.cores_per_node
     );
-    s += "GEMM (the deck's shapes, slowest rank): FLOPs -> FLOP/s\n";
-    for (f, r) in &cal.gemm_points {
-        s += &format!("  {f:>12.4e} {r:>12.4e}  fit {:>12.4e}\n", cal.rate(*f));
+    s += "GEMM forward + backward (the deck's shapes, slowest rank): rows x outputs x inputs -> FLOP/s\n";
+    for p in &cal.gemm_points {
+        let fit = rate_of(&cal.gemm_curve, p.rows, p.n, p.k);
+        s += &format!("  {:>6} x {:>6} x {:>6} {:>12.4e}  fit {fit:>12.4e}\n", p.rows, p.n, p.k, p.rate);
     }
     s += &format!("model, one micro-batch on each rank: forward + backward {:.4} s, AdamW {:.4} s\n", cal.model_fb_s, cal.model_opt_s);
-    s += &format!("\n[hardware]\nranks_per_node = {}\ncores_per_node = {}\n", cal.ranks_per_node, cal.cores_per_node);
-    s += &format!("peak_flops_per_rank = {:.4e}\ngemm_half_rate_flops = {:.4e}\n", cal.gemm_peak, cal.gemm_half);
-    s += &format!("block_other_s_per_token = {:.4e}\n", cal.block_other_s_per_token);
-    s += &format!("optimizer_bandwidth = {:.4e}\nmemory_bandwidth = {:.4e}\n", cal.optimizer_bandwidth, cal.memory_bandwidth);
     if let Some(c) = &cal.collectives {
         s += &format!(
-            "# all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
+            "all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
             c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
         );
-        let bw = c.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
-        // The all-reduce's cost counts 2(n−1) latencies: the wait between compute spread so.
-        let steps = 2.0 * (cal.ranks_per_node.max(2) - 1) as f64;
-        s += &format!("# a blocking all-reduce between compute chunks waits {:.2e} s\n", cal.sync_wait_s);
-        let lat = c.iter().map(|x| x.0).fold(cal.sync_wait_s / steps, f64::max);
-        s += &format!("intra_node_bandwidth = {bw:.4e}\nintra_node_latency = {lat:.4e}\n");
+        s += &format!("a blocking all-reduce between compute chunks waits {:.2e} s\n", cal.sync_wait_s);
+    }
+    for (axis, measured, predicted) in &cal.pairs {
+        s += &format!("{axis} 2 on pairs of ranks, one micro-batch: {measured:.4} s measured, {predicted:.4} s by the model without it\n");
+    }
+    let h = cal.hardware();
+    s += &format!("\n[hardware]\nranks_per_node = {}\ncores_per_node = {}\n", h.ranks_per_node, h.cores_per_node);
+    s += &format!("peak_flops_per_rank = {:.4e}\n", h.peak_flops_per_rank);
+    s += &format!("gemm_half_rate_rows = {:.4e}\ngemm_half_rate_cols = {:.4e}\n", h.gemm_half_rate_rows, h.gemm_half_rate_cols);
+    s += &format!("gemm_half_rate_inner = {:.4e}\n", h.gemm_half_rate_inner);
+    s += &format!("block_other_s_per_token = {:.4e}\n", h.block_other_s_per_token);
+    s += &format!("attention_s_per_token = {:.4e}\n", h.attention_s_per_token);
+    s += &format!("replicated_s_per_token = {:.4e}\n", h.replicated_s_per_token);
+    let table: Vec<String> = h.block_s_per_token.iter().map(|[t, v]| format!("[{t}, {v:.4e}]")).collect();
+    s += &format!("block_s_per_token = [{}]\n", table.join(", "));
+    s += &format!("optimizer_bandwidth = {:.4e}\nmemory_bandwidth = {:.4e}\n", h.optimizer_bandwidth, h.memory_bandwidth);
+    if cal.collectives.is_some() {
+        s += &format!(
+            "intra_node_bandwidth = {:.4e}\nintra_node_reduce_bandwidth = {:.4e}\n",
+            h.intra_node_bandwidth, h.intra_node_reduce_bandwidth
+        );
+        s += &format!("intra_node_latency = {:.4e}\n", h.intra_node_latency);
+        s += &format!("tp_extra_s_per_token = {:.4e}\ncp_extra_s_per_token = {:.4e}\n", h.tp_extra_s_per_token, h.cp_extra_s_per_token);
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn points(c: &RateCurve) -> Vec<GemmPoint> {
+        let mut out = vec![];
+        for rows in [512, 256, 128] {
+            for (n, k) in [(1536, 512), (512, 512), (512, 1536), (768, 512), (512, 256)] {
+                out.push(GemmPoint { rows, n, k, rate: rate_of(c, rows, n, k) });
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_fit_recovers_the_curve_it_was_given() {
+        let c = RateCurve { peak: 1e11, half_rows: 40.0, half_cols: 0.0, half_inner: 12.0 };
+        let f = fit_rate_curve(&points(&c));
+        assert!((f.peak / c.peak - 1.0).abs() < 1e-9, "{f:?}");
+        assert!((f.half_rows - 40.0).abs() < 1e-6 && f.half_cols.abs() < 1e-6 && (f.half_inner - 12.0).abs() < 1e-6, "{f:?}");
+    }
+
+    #[test]
+    fn a_term_that_would_fit_negative_is_dropped() {
+        // Rates that rise as the outputs narrow: no non-negative `half_cols` explains them, so
+        // the fit keeps the others (here the rows' term alone, exactly).
+        let c = RateCurve { peak: 1e11, half_rows: 40.0, ..RateCurve::default() };
+        let mut pts = points(&c);
+        for p in &mut pts {
+            p.rate *= 1.0 + 2.0 / p.n as f64;
+        }
+        let f = fit_rate_curve(&pts);
+        assert_eq!(f.half_cols, 0.0, "{f:?}");
+        assert!(f.half_rows > 0.0 && f.half_inner >= 0.0, "{f:?}");
+    }
 }

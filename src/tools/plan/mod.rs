@@ -46,8 +46,10 @@ pub struct RankPlan {
     /// Model FLOPs of one optimiser step over all ranks, and the share of one rank.
     pub flops_per_step: f64,
     pub flops_per_rank: f64,
-    /// Bytes of the largest gathered unit (the size of one fsdp or dp_rep collective call).
+    /// Bytes of the largest gathered unit (one fsdp or expert_fsdp collective call) and of
+    /// the largest unit's shard (one dp_rep all-reduce: the whole unit without fsdp).
     pub unit_bytes: usize,
+    pub shard_bytes: usize,
     /// The pipeline's idle fraction of a step under the deck's schedule (0 without one).
     pub bubble: f64,
     /// Micro-batches whose activations the first stage holds at once (each of its chunks').
@@ -158,6 +160,7 @@ fn stage_plan(res: &Resolved, stage: usize) -> (RankPlan, Vec<Chunk>) {
         flops_per_step,
         flops_per_rank: flops_per_step / l.world_size() as f64,
         unit_bytes: 4 * shards.max_gathered_len(),
+        shard_bytes: 4 * shards.units.iter().map(|u| u.shard_len).max().unwrap_or(0),
         bubble: if l.pp > 1 { bubble_fraction(schedule_of(res), l.pp, chunks.len(), res.grad_accum) } else { 0.0 },
         in_flight,
         stages: vec![],
@@ -357,7 +360,8 @@ fn group_size(group: &str, l: &Layout) -> usize {
 
 /// The estimate: compute at the peak rate, plus every collective as a ring without overlap —
 /// `(n−1)/n` of the counted bytes (twice for an all-reduce; all of them for the all-to-all,
-/// whose counted bytes are already those leaving the rank) over the link's bandwidth, plus
+/// whose counted bytes are already those leaving the rank) over the link's bandwidth (inside a
+/// node, the reducing collectives' own where `[hardware]` gives one), plus
 /// `(n−1)` latencies per call (twice for an all-reduce), with calls estimated from the bytes of
 /// one `[tokens, D]` activation (tp), one unit (fsdp, dp_rep, expert_fsdp), one key/value block
 /// (cp) or one exchange of routed rows (ep). The link is intra-node when the group's span fits
@@ -374,13 +378,18 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
             continue;
         }
         let intra = span(group, l) <= per_node;
-        let (bw, lat) =
-            if intra { (hw.intra_node_bandwidth, hw.intra_node_latency) } else { (hw.inter_node_bandwidth, hw.inter_node_latency) };
+        let sums = matches!(kind, "all_reduce" | "reduce_scatter");
+        let (bw, lat) = match intra {
+            true if sums && hw.intra_node_reduce_bandwidth > 0.0 => (hw.intra_node_reduce_bandwidth, hw.intra_node_latency),
+            true => (hw.intra_node_bandwidth, hw.intra_node_latency),
+            false => (hw.inter_node_bandwidth, hw.inter_node_latency),
+        };
         let b = bytes as f64;
         let per_call = match group {
             "tp" => 4.0 * tokens * deck.model.d_model as f64,
             "cp" => 8.0 * tokens * (deck.model.n_kv_heads / l.tp * deck.model.head_dim()) as f64,
-            "fsdp" | "dp_rep" | "expert_fsdp" => (p.unit_bytes as f64).max(1.0),
+            "fsdp" | "expert_fsdp" => (p.unit_bytes as f64).max(1.0),
+            "dp_rep" => (p.shard_bytes as f64).max(1.0),
             "pp" => 4.0 * tokens * deck.model.d_model as f64,
             // One exchange: the rows of a block's micro-batch that leave the rank.
             "ep" => 4.0 * tokens * (deck.model.experts_per_token * deck.model.d_model) as f64 * (n - 1.0) / n,
@@ -400,6 +409,15 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
         // The slowest stage sets the pace; communication is counted exposed.
         let stages = time::stage_times(p, deck, hw, peak_flops);
         let busy = stages.iter().map(StageTime::total).fold(0.0, f64::max);
+        // The dp_rep all-reduce starts unit by unit as the step's last backward completes each
+        // unit's gradient (`FsdpGrads`): it runs under that backward (two thirds of a
+        // micro-batch's compute), and only what exceeds it is exposed, the last unit's at least.
+        if let Some(dp) = comm_s.get_mut("dp_rep") {
+            let last_backward =
+                stages.iter().map(|s| (s.gemm_s + s.other_s) * 2.0 / 3.0).fold(f64::INFINITY, f64::min) / p.grad_accum as f64;
+            let units = (deck.model.n_layers / l.pp + 1) as f64;
+            *dp = (*dp - last_backward).max(*dp / units);
+        }
         let idle = time::bubble_s(busy, bubble, l.pp, hw);
         (busy, stages, idle, busy + idle + comm_s.values().sum::<f64>())
     } else {

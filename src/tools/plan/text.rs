@@ -178,11 +178,12 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
     let _ = writeln!(
         s,
         "{} valid layouts ({refused} factorisations refused by the deck); cost model: peak {:.3e} FLOP/s per rank, {} ranks per node, \
-         intra-node {:.3e} B/s + {:.1e} s, inter-node {:.3e} B/s + {:.1e} s per message, no overlap",
+         intra-node {:.3e} B/s ({:.3e} B/s summing) + {:.1e} s, inter-node {:.3e} B/s + {:.1e} s per message, no overlap",
         ranked.len(),
         peak_flops,
         hw.ranks_per_node,
         hw.intra_node_bandwidth,
+        if hw.intra_node_reduce_bandwidth > 0.0 { hw.intra_node_reduce_bandwidth } else { hw.intra_node_bandwidth },
         hw.intra_node_latency,
         hw.inter_node_bandwidth,
         hw.inter_node_latency
