@@ -9,21 +9,14 @@
 mod common;
 use common::*;
 
-const EXPERTS: &[&str] = &[
-    "run.steps=8",
-    "run.threads=1",
-    "optim.grad_clip=0.3",
-    "optim.warmup_steps=2",
-    "model.n_experts=8",
-    "model.experts_per_token=2",
-    "model.moe_ffn_hidden=48",
-    "model.router_aux_loss_coef=0.05",
-];
+fn experts() -> Vec<&'static str> {
+    expert_sets_after(&["run.steps=8"])
+}
 
 #[test]
 fn expert_parallel_layouts_match_one_rank() {
     let dir = tempfile::tempdir().unwrap();
-    let base = run_layout_with(dir.path(), "one", 1, EXPERTS, &[]);
+    let base = run_layout_with(dir.path(), "one", 1, &experts(), &[]);
     let aux = column(&dir.path().join("one"), "aux_loss");
     let layouts: &[(&str, usize, &[&str])] = &[
         ("EP=2", 2, &["parallel.dp_shard=2", "parallel.ep=2"]),
@@ -36,7 +29,7 @@ fn expert_parallel_layouts_match_one_rank() {
         ("EP=2 x CP=2", 4, &["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"]),
         ("EP=2 full checkpointing", 2, &["parallel.dp_shard=2", "parallel.ep=2", "train.activation_checkpointing=\"full\""]),
     ];
-    assert_layouts_match_with(dir.path(), EXPERTS, &base, layouts);
+    assert_layouts_match_with(dir.path(), &experts(), &base, layouts);
     for (name, _, _) in layouts {
         let out = dir.path().join(name.replace([' ', '=', '×'], "_"));
         assert_losses_within(&format!("{name} aux_loss"), &aux, &column(&out, "aux_loss"), LOSS_TOL);
@@ -50,7 +43,7 @@ fn expert_parallel_layouts_match_one_rank() {
 #[test]
 fn the_all_to_all_moves_the_bytes_of_its_formula() {
     let dir = tempfile::tempdir().unwrap();
-    let mut sets = EXPERTS.to_vec();
+    let mut sets = experts();
     sets.retain(|s| !s.starts_with("model.experts_per_token") && !s.starts_with("run.steps"));
     sets.extend(["model.experts_per_token=8", "run.steps=3"]);
     let base = run_layout_with(dir.path(), "one", 1, &sets, &[]);

@@ -11,21 +11,14 @@ mod common;
 use common::*;
 use std::path::Path;
 
-const EXPERTS: &[&str] = &[
-    "run.steps=10",
-    "run.threads=1",
-    "optim.grad_clip=0.3",
-    "optim.warmup_steps=2",
-    "model.n_experts=8",
-    "model.experts_per_token=2",
-    "model.moe_ffn_hidden=48",
-    "model.router_aux_loss_coef=0.05",
-];
+fn experts() -> Vec<&'static str> {
+    expert_sets_after(&["run.steps=10"])
+}
 
 #[test]
 fn every_data_parallel_layout_of_experts_matches_one_rank() {
     let dir = tempfile::tempdir().unwrap();
-    let base = run_layout_with(dir.path(), "one", 1, EXPERTS, &[]);
+    let base = run_layout_with(dir.path(), "one", 1, &experts(), &[]);
     let aux_one = column(&dir.path().join("one"), "aux_loss");
     assert_eq!(aux_one.len(), base.0.len(), "metrics.csv has an aux_loss for every step");
     // E · Σ_e f_e·P_e is k (2) for an even load and at most E·k (16).
@@ -42,7 +35,7 @@ fn every_data_parallel_layout_of_experts_matches_one_rank() {
         ("FSDP=2 x CP=2", 4, &["parallel.cp=2", "parallel.dp_shard=2"]),
         ("CP=2 x TP=2 SP", 4, &["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"]),
     ];
-    assert_layouts_match_with(dir.path(), EXPERTS, &base, layouts);
+    assert_layouts_match_with(dir.path(), &experts(), &base, layouts);
     let aux_hsdp = column(&dir.path().join("HSDP_2x2"), "aux_loss");
     assert_losses_within("HSDP=2x2 aux_loss", &aux_one, &aux_hsdp, LOSS_TOL);
     // The routing log: per step and expert block the global batch's 16 × 64 tokens × top-2
@@ -82,7 +75,7 @@ fn expert_load(out: &Path) -> Vec<Vec<f64>> {
 fn a_qwen3_moe_model_with_a_dense_block_trains_and_round_trips_through_hugging_face_files() {
     let dir = tempfile::tempdir().unwrap();
     let sets = ["model.qk_norm=true", "model.norm_topk_prob=false", "model.first_dense_layers=1", "run.steps=4"];
-    let mut all = EXPERTS.to_vec();
+    let mut all = experts();
     all.extend(sets);
     let one = run_layout_with(dir.path(), "one", 1, &all, &[]);
     let fsdp = run_layout_with(dir.path(), "fsdp2", 2, &all, &["parallel.dp_shard=2"]);

@@ -289,22 +289,27 @@ pub fn assert_close(name: &str, a: &Path, b: &Path) {
     }
 }
 
-/// The tiny deck as a mixture of experts (8 experts of width 48, top-2, the auxiliary loss on)
-/// on 4 blocks, so a pipeline has 2 per stage and interleaving fits: 6 steps, one thread,
-/// clipping active, checkpoints at 3 and 6.
+/// The tiny deck as a mixture of experts: 8 experts of width 48, top-2, the auxiliary loss
+/// on; one thread, clipping active.
+pub const EXPERT_SETS: &[&str] = &[
+    "run.threads=1",
+    "optim.grad_clip=0.3",
+    "optim.warmup_steps=2",
+    "model.n_experts=8",
+    "model.experts_per_token=2",
+    "model.moe_ffn_hidden=48",
+    "model.router_aux_loss_coef=0.05",
+];
+
+/// [`EXPERT_SETS`] after `first` (the same keys in the same order as a list written out).
+pub fn expert_sets_after(first: &[&'static str]) -> Vec<&'static str> {
+    [first, EXPERT_SETS].concat()
+}
+
+/// [`EXPERT_SETS`] on 4 blocks, so a pipeline has 2 per stage and interleaving fits: 6 steps,
+/// checkpoints at 3 and 6.
 pub fn expert_pipeline_sets() -> Vec<&'static str> {
-    vec![
-        "run.threads=1",
-        "optim.grad_clip=0.3",
-        "optim.warmup_steps=2",
-        "model.n_experts=8",
-        "model.experts_per_token=2",
-        "model.moe_ffn_hidden=48",
-        "model.router_aux_loss_coef=0.05",
-        "run.steps=6",
-        "model.n_layers=4",
-        "checkpoint.every=3",
-    ]
+    [EXPERT_SETS, &["run.steps=6", "model.n_layers=4", "checkpoint.every=3"]].concat()
 }
 
 /// Trains `expert_pipeline_sets` + `extra` on `ranks` ranks (one: no `mpirun`); its losses.
