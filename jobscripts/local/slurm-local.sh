@@ -7,6 +7,7 @@
 # Uses Debian's slurm-wlm 22.05 + munge + the distro OpenMPI 4.1 (PMIx 4.2).
 #
 #   jobscripts/local/slurm-local.sh start     install (apt, if needed), configure, start, wait until idle
+#   jobscripts/local/slurm-local.sh install   only install the packages (apt, if needed)
 #   jobscripts/local/slurm-local.sh stop      cancel jobs, stop the daemons this script started (by PID)
 #   jobscripts/local/slurm-local.sh restart   stop + start
 #   jobscripts/local/slurm-local.sh status    daemons, sinfo, squeue
@@ -398,6 +399,7 @@ EOF
 
 case "${1:-}" in
   start) cmd_start ;;
+  install) mkdir -p "$DIR/log"; install_packages ;;
   stop) cmd_stop ;;
   restart) cmd_stop; cmd_start ;;
   status) cmd_status ;;
