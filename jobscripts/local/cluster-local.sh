@@ -17,7 +17,8 @@
 #   cluster-local.sh shape [--rate R] [--delay D]   reshape every host's link (no option: unshaped)
 #   cluster-local.sh env            "export ..." lines for Open MPI and Slurm on the cluster
 #   cluster-local.sh hostfile       path of the Open MPI hostfile (2 slots per host)
-#   cluster-local.sh exec HOST CMD  run CMD on HOST (the Open MPI launch agent calls this)
+#   cluster-local.sh exec HOST CMD  run the shell command CMD on HOST (the Open MPI launch agent)
+#   cluster-local.sh run HOST PROG [ARGS...]   run PROG with ARGS as given on HOST (mpirun on cn1)
 #   cluster-local.sh link HOST down|up   take a host's link down (a cut cable) or up again
 #   cluster-local.sh kill HOST      SIGKILL every process on HOST (a crashed node)
 #   cluster-local.sh selftest       mpirun and srun across two hosts, TCP between them
@@ -55,11 +56,23 @@ ns_of() { echo "$NS_PREFIX$1"; }
 case "$DIR" in /tmp|/tmp/*) die "CLUSTER_LOCAL_DIR=$DIR is under /tmp, which each host replaces with its own" ;; esac
 
 # in_host HOST CMD...: CMD inside HOST's network, UTS and mount namespaces, in the caller's folder.
+# From inside a host (an mpirun on cn1 launching on cn2) the namespace files are only visible from
+# the machine's own mount namespace, which the anchor process holds: enter it first.
 in_host() {
-  local h=$1; shift
-  [ -e "/run/netns/$(ns_of "$h")" ] || die "no host $h (cluster-local.sh start first)"
-  nsenter --net="/run/netns/$(ns_of "$h")" --uts="$DIR/ns/$h.uts" --mount="$DIR/ns/$h.mnt" \
+  local h=$1 root=() pid
+  shift
+  pid=$(cat "$DIR/anchor.pid" 2>/dev/null || true)
+  if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = sleep ]; then root=(nsenter "--mount=/proc/$pid/ns/mnt" --); fi
+  "${root[@]}" test -e "/run/netns/$(ns_of "$h")" || die "no host $h (cluster-local.sh start first)"
+  "${root[@]}" nsenter --net="/run/netns/$(ns_of "$h")" --uts="$DIR/ns/$h.uts" --mount="$DIR/ns/$h.mnt" \
     --wd="$PWD" -- "$@"
+}
+
+# The anchor: a process that lives in the machine's own namespaces as long as the cluster does.
+start_anchor() {
+  pid_alive "$DIR/anchor.pid" sleep && return 0
+  setsid sleep infinity </dev/null >/dev/null 2>&1 9>&- &
+  echo $! > "$DIR/anchor.pid"
 }
 
 # ---------------------------------------------------------------- link shaping
@@ -126,6 +139,10 @@ add_host() {
   ip -n "$ns" link set lo up
   ip -n "$ns" addr add "$addr/24" dev eth0
   ip -n "$ns" link set eth0 up
+  # A connection with data in flight to a host that is gone fails after 5 retransmissions
+  # (about 13 s) instead of Linux's 15 (about 15 minutes): mpirun, ending a job, waits on its
+  # connection to every node's daemon (docs/reliability.md, *A node lost*).
+  ip netns exec "$ns" sysctl -qw net.ipv4.tcp_retries2=5
   # A UTS namespace (the hostname) and a mount namespace (its own /tmp and /dev/shm, so no two
   # hosts share memory segments or Open MPI session folders), kept alive by bind mounts.
   : > "$DIR/ns/$h.uts"; : > "$DIR/ns/$h.mnt"
@@ -303,6 +320,8 @@ cmd_start() {
   if [ "$(running_hosts)" = "$n" ] && [ "$(wc -l < "$DIR/hosts.list")" = "$n" ] \
      && ip link show "$BRIDGE" >/dev/null 2>&1; then
     log "$n hosts already running"
+    # A whole cluster: every link up again (after `link HOST down`).
+    for h in $(hosts); do ip link set "$VETH_PREFIX$h" up; done
   else
     [ -z "$(hosts)" ] || cmd_stop_locked
     # A start that fails half-way removes what it made.
@@ -325,6 +344,7 @@ cmd_start() {
     write_agent
   fi
   trap 'cmd_stop_locked' EXIT
+  start_anchor
   cmd_shape ${rate:+--rate "$rate"} ${delay:+--delay "$delay"}
   if [ "$slurm" = 1 ]; then start_slurm "$n"; fi
   trap - EXIT
@@ -348,6 +368,8 @@ cmd_stop_locked() {
     rm -f "$DIR/ns/$h.uts" "$DIR/ns/$h.mnt"
   done
   ip link del "$BRIDGE" 2>/dev/null || true
+  if pid_alive "$DIR/anchor.pid" sleep; then kill "$(cat "$DIR/anchor.pid")" 2>/dev/null || true; fi
+  rm -f "$DIR/anchor.pid"
   if mountpoint -q "$DIR/ns" 2>/dev/null; then umount "$DIR/ns" 2>/dev/null || true; fi
   write_etc_hosts
   rm -f "$DIR/hosts.list" "$DIR/hostfile" "$DIR/shape"
@@ -372,6 +394,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_mpi_yield_when_idle=1
 export OMPI_MCA_plm_rsh_agent=$DIR/bin/rsh
 export OMPI_MCA_oob_tcp_if_include=$SUBNET.0/24 OMPI_MCA_btl_tcp_if_include=$SUBNET.0/24
+# mpirun learns that a daemon's link is gone only from TCP keepalive on its connection to
+# that daemon: 10 s idle, then 3 probes 2 s apart (Linux's defaults wait over 2 hours).
+export OMPI_MCA_oob_tcp_keepalive_time=10 OMPI_MCA_oob_tcp_keepalive_intvl=2 OMPI_MCA_oob_tcp_keepalive_probes=3
 export CLUSTER_LOCAL_HOSTFILE=$DIR/hostfile
 export SLURM_CONF=$DIR/etc/slurm.conf
 EOF
@@ -418,6 +443,9 @@ case "$cmd" in
   exec)
     h=${1:?exec HOST COMMAND}; shift
     in_host "$h" /bin/sh -c "$*" ;;
+  run)
+    h=${1:?run HOST PROGRAM [ARGS...]}; shift
+    in_host "$h" "$@" ;;
   env) cmd_env ;;
   hostfile) echo "$DIR/hostfile" ;;
   status) cmd_status ;;

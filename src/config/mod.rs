@@ -66,6 +66,10 @@ pub struct RunCfg {
     /// End the job when a rank's training loop makes no progress for this long (seconds;
     /// 0 disables the watchdog).
     pub watchdog_seconds: f64,
+    /// A rank that has waited this long in a collective without progress probes the ranks it
+    /// shares a group with, and ends the job naming those whose node or process is gone
+    /// (seconds; 0 disables the probe; it runs with the watchdog).
+    pub liveness_seconds: f64,
     /// Where the model computes: the host, or the rank's NVIDIA GPU (feature `cuda`).
     pub device: Device,
     /// Stop with a checkpoint (exit 75) before this many seconds since the start would pass
@@ -112,6 +116,7 @@ impl Default for RunCfg {
             steps: 100,
             threads: 0,
             watchdog_seconds: 1800.0,
+            liveness_seconds: 10.0,
             device: Device::Cpu,
             max_walltime: 0.0,
             stop_before_job_end: false,

@@ -283,6 +283,7 @@ impl Deck {
                 .with_hint(format!("name = \"{fixed}\"")));
         }
         non_negative_finite("run", "watchdog_seconds", self.run.watchdog_seconds)?;
+        non_negative_finite("run", "liveness_seconds", self.run.liveness_seconds)?;
         non_negative_finite("run", "max_walltime", self.run.max_walltime)?;
         non_negative_finite("run", "signal_lead_time", self.run.signal_lead_time)?;
         at_least_one("run", "steps", self.run.steps)

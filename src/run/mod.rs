@@ -1,5 +1,6 @@
 //! Run control, in one place: the checks every rank makes before the first collective
-//! (`preflight`), stop signals (`preempt`), the watchdog that ends a stalled job (`watchdog`),
+//! (`preflight`), stop signals (`preempt`), the watchdog that ends a stalled job (`watchdog`) and
+//! its check for ranks lost with their node (`liveness`),
 //! the debug options that inject faults for tests (`faults`) and the record of what a run was
 //! and did (`provenance`: `run.json`). The exit codes they end a run with are `crate::exit`'s;
 //! `docs/reliability.md` describes the policy. This file: the error a run returns, and a
@@ -9,6 +10,7 @@ pub mod faults;
 pub mod gpus;
 pub mod job_limit;
 pub mod launch;
+pub mod liveness;
 pub mod placement;
 pub mod preempt;
 pub mod preflight;

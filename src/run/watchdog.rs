@@ -88,8 +88,10 @@ impl Watchdog {
         let thread = std::thread::Builder::new()
             .name("ndtrain-watchdog".into())
             .spawn(move || {
-                // Check a few times per timeout, at least every second.
-                let tick = (timeout / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+                // Check a few times per timeout, at least four times a second: a launcher's stop
+                // signal leaves about a second before SIGKILL, and the health checks must
+                // have their say within it.
+                let tick = (timeout / 4).clamp(Duration::from_millis(50), Duration::from_millis(250));
                 while !s.stop.load(Ordering::Relaxed) {
                     std::thread::park_timeout(tick);
                     let now = s.start.elapsed().as_millis() as u64;
@@ -125,6 +127,13 @@ pub fn beat(what: impl FnOnce() -> String) {
         *w = what();
     }
     s.last_ms.store(s.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+}
+
+/// How long since the last beat, while a watchdog runs.
+pub fn idle() -> Option<Duration> {
+    let s = ACTIVE.lock().ok()?.clone()?;
+    let now = s.start.elapsed().as_millis() as u64;
+    Some(Duration::from_millis(now.saturating_sub(s.last_ms.load(Ordering::Relaxed))))
 }
 
 impl Drop for Watchdog {

@@ -5,6 +5,40 @@
 use ndtrain::io::checkpoint::tools;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// The emulated cluster every `mpirun` of this test binary launches on, once set: the command
+/// that runs a program on its first host, its hostfile and the environment `cluster-local.sh
+/// env` gives.
+struct Cluster {
+    on_first_host: Vec<String>,
+    hostfile: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+
+/// From now on, `mpirun` (and every helper built on it) runs through `on_first_host` (the
+/// program and its arguments follow it) and launches across the hosts of `hostfile` with
+/// `env` (`tests/multinode.rs`).
+pub fn launch_on_cluster(on_first_host: Vec<String>, hostfile: PathBuf, env: Vec<(String, String)>) {
+    let _ = CLUSTER.set(Cluster { on_first_host, hostfile, env });
+}
+
+/// `mpirun --oversubscribe -n N`, on the emulated cluster once one is set.
+pub fn mpirun(n: usize) -> Command {
+    let mut cmd = match CLUSTER.get() {
+        Some(c) => {
+            let mut cmd = Command::new(&c.on_first_host[0]);
+            cmd.args(&c.on_first_host[1..]).arg("mpirun").arg("--hostfile").arg(&c.hostfile);
+            cmd.envs(c.env.iter().map(|(k, v)| (k, v)));
+            cmd
+        }
+        None => Command::new("mpirun"),
+    };
+    mpi_env(&mut cmd).args(["--oversubscribe", "-n", &n.to_string()]);
+    cmd
+}
 
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_ndtrain")
@@ -34,7 +68,7 @@ pub fn run_single(args: &[&str]) -> Output {
 
 /// `mpirun -n N ndtrain ARGS`.
 pub fn run_mpi(n: usize, args: &[&str]) -> Output {
-    mpi_env(&mut Command::new("mpirun")).args(["--oversubscribe", "-n", &n.to_string(), bin()]).args(args).output().expect("mpirun runs")
+    mpirun(n).arg(bin()).args(args).output().expect("mpirun runs")
 }
 
 pub fn text(o: &Output) -> String {
@@ -127,14 +161,19 @@ pub fn run_layout(dir: &Path, name: &str, ranks: usize, layout: &[&str]) -> RunR
 /// the tiny deck with `base` + `layout`. Clipping must be active in every step (pre-clip norm
 /// above the deck's `[optim] grad_clip`, so the clipping path is part of what is compared).
 pub fn run_layout_with(dir: &Path, name: &str, ranks: usize, base: &[&str], layout: &[&str]) -> RunResult {
+    run_deck_layout(&tiny_deck(), dir, name, ranks, base, layout)
+}
+
+/// `run_layout_with` on another deck.
+pub fn run_deck_layout(deck_path: &Path, dir: &Path, name: &str, ranks: usize, base: &[&str], layout: &[&str]) -> RunResult {
     let export = dir.join(name).join("final_hf");
     let exp = format!("checkpoint.export_hf=\"{}\"", export.display());
     let mut sets: Vec<&str> = base.to_vec();
     sets.extend_from_slice(layout);
     sets.push(&exp);
-    let (_, losses) = train_losses(dir, name, &tiny_deck(), Some(ranks), &sets);
+    let (_, losses) = train_losses(dir, name, deck_path, Some(ranks), &sets);
     let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
-    let deck = ndtrain::config::Deck::from_file(&tiny_deck(), &owned).unwrap();
+    let deck = ndtrain::config::Deck::from_file(deck_path, &owned).unwrap();
     let clip = deck.optim.grad_clip;
     let norms = column(&dir.join(name), "grad_norm");
     assert_eq!(norms.len(), losses.len(), "{name}: grad_norm column");
@@ -243,8 +282,8 @@ pub fn children(parent: u32) -> Vec<i32> {
 
 /// `mpirun -n N ndtrain train <tiny deck>` writing to `out`, with `sets` as `--set`s; not started.
 pub fn mpirun_tiny(n: usize, out: &Path, sets: &[&str]) -> Command {
-    let mut cmd = Command::new("mpirun");
-    mpi_env(&mut cmd).args(["--oversubscribe", "-n", &n.to_string(), bin(), "train"]).arg(tiny_deck());
+    let mut cmd = mpirun(n);
+    cmd.args([bin(), "train"]).arg(tiny_deck());
     cmd.arg("--set").arg(format!("run.out_dir=\"{}\"", out.display()));
     for s in sets {
         cmd.args(["--set", s]);

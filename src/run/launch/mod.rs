@@ -63,6 +63,7 @@ pub fn train(deck_path: &Path, set: &[String]) -> Ended {
         return Ended::BadInput;
     }
     let (threads, places) = place_rank(&res, &mesh, &devices);
+    let _liveness = crate::run::liveness::start(&mesh, &places, liveness_after(&res));
     // run.json: what this run is, written by rank 0 before training and rewritten with the
     // outcome at the end. A file that cannot be written is a warning.
     let mut record = RunRecord::start(&res, &places, deck_path, threads);
@@ -239,6 +240,17 @@ fn place_rank(res: &Resolved, mesh: &Mesh, devices: &Devices) -> (usize, Vec<Pla
         node_cpus: placement::node_cpus(),
     };
     (threads, placement::gather(&mesh.world, &mine))
+}
+
+/// How long a rank waits in a collective before it probes its peers: `[run]
+/// liveness_seconds`, and zero (off) where the watchdog that runs the probe is off.
+fn liveness_after(res: &Resolved) -> std::time::Duration {
+    let run = &res.deck.run;
+    if run.watchdog_seconds > 0.0 {
+        std::time::Duration::from_secs_f64(run.liveness_seconds)
+    } else {
+        std::time::Duration::ZERO
+    }
 }
 
 /// What the deck's `[run] device` needs decided on every rank before training: on GPUs, each
