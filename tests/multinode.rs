@@ -175,8 +175,21 @@ fn ranks_on_different_hosts_share_no_memory_and_speak_tcp() {
     cmd.env("OMPI_MCA_btl_base_verbose", "100");
     let (o, timed_out) = output_within(&mut cmd, 120);
     assert!(!timed_out && o.status.success(), "{}", text(&o));
-    let log = console(&o);
-    assert!(log.contains("btl:tcp"), "no TCP transport in use: {log}");
+    // `[cnA:pid] mca: bml: Using X btl for send to [[job,1],R] on node cnB`: what each rank
+    // speaks to each other one.
+    let mut seen = std::collections::BTreeSet::new();
+    for line in console(&o).lines() {
+        let Some((from, rest)) = line.strip_prefix('[').and_then(|l| l.split_once(':')) else { continue };
+        let Some(rest) = rest.split_once("mca: bml: Using ").map(|(_, r)| r) else { continue };
+        let (btl, to) = (rest.split(' ').next().unwrap(), rest.rsplit(' ').next().unwrap());
+        seen.insert((from.to_string(), to.to_string(), btl.to_string()));
+    }
+    let transports =
+        |from: &str, to: &str| -> Vec<&str> { seen.iter().filter(|(f, t, _)| f == from && t == to).map(|(_, _, b)| b.as_str()).collect() };
+    assert_eq!(transports("cn1", "cn2"), ["tcp"], "cn1 to cn2: {seen:?}");
+    assert_eq!(transports("cn2", "cn1"), ["tcp"], "cn2 to cn1: {seen:?}");
+    // Within a host: shared memory to the other rank, `self` to itself.
+    assert_eq!(transports("cn1", "cn1"), ["self", "vader"], "within cn1: {seen:?}");
 }
 
 /// `ndtrain ckpt verify FILE` succeeds.
