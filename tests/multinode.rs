@@ -9,7 +9,9 @@
 //! written on 2 hosts resumes on one rank and the reverse; a node lost mid-run (its processes
 //! killed, or its link cut) ends every surviving rank within 60 s with one line naming the lost
 //! host, the last checkpoint stays intact, and the job resumes on the host that remains with
-//! fewer ranks and continues the one-rank curve.
+//! fewer ranks and continues the one-rank curve. On the cluster's Slurm, `sbatch --nodes=2`
+//! trains, checkpoints, requeues itself and resumes, and a study over 1 and 2 nodes runs
+//! through the queue; `ndtrain probe` measures the network between the hosts.
 //!
 //! Needs root (namespaces, a bridge). The tests take turns on the one cluster, which is started
 //! once and stopped when the test binary exits.
@@ -314,4 +316,94 @@ fn a_node_whose_processes_are_killed_ends_the_job_and_the_rest_resume() {
 fn a_node_whose_link_goes_down_ends_the_job_and_the_rest_resume() {
     let _c = cluster();
     a_lost_node("link_down", Loss::LinkDown, "lost ranks 2, 3 on host cn2 (cn2 does not answer on the network");
+}
+
+/// `jobscripts/slurm/train.sbatch` on the 2-host Slurm: `sbatch --nodes=2 --ntasks-per-node=2`
+/// trains HSDP 2 × 2 under `srun`, the replicate axis across the nodes; stopped after 4 of its 8
+/// steps it checkpoints and exits 75, the script requeues the job, and the requeued job (on 2
+/// nodes again) resumes from the checkpoint and finishes, the losses those of one rank.
+#[test]
+fn a_slurm_job_on_two_nodes_trains_checkpoints_requeues_and_resumes() {
+    let _c = cluster();
+    let d = out_dir("slurm");
+    let env = cluster_env();
+    let (_, straight) = train_losses(&d, "straight", &tiny_deck(), Some(1), &["run.steps=8", "run.threads=1"]);
+    let run = d.join("run");
+    let common = format!("run.threads=1 parallel.dp_replicate=2 checkpoint.every=4 run.out_dir=\"{}\"", run.display());
+    let two_nodes = ["--nodes=2", "--ntasks-per-node=2"];
+    let (rc, log) = sbatch(&env, &d, "first", &format!("run.steps=8 run.stop_after_steps=4 {common}"), &two_nodes);
+    assert_eq!(rc, 0, "the script requeues a run stopped after its steps or ends it cleanly: {log}");
+    assert!(log.contains("nodes: 2, 2 ranks per node; cn1: ranks 0-1 (node-local 0-1); cn2: ranks 2-3 (node-local 0-1)"), "{log}");
+    assert!(log.contains("nodes: 2 of 2 dp_replicate group(s) span nodes"), "{log}");
+    assert!(log.contains("+ scontrol requeue "), "{log}");
+    assert!(log.contains("resumed from") && log.contains("step_00000004.h5"), "{log}");
+    assert!(run.join("ckpt/step_00000008.h5").exists(), "{log}");
+    let (_, l) = losses(&run);
+    assert_losses_within("slurm, 2 nodes", &straight, &l, LOSS_TOL);
+}
+
+/// A strong-scaling study over 1 and 2 nodes (2 and 4 ranks, 2 per node), submitted to the
+/// 2-host Slurm by `ndtrain sweep submit`: each point's job gets its node count, both run, and
+/// the report job after them writes the study's report.
+#[test]
+fn a_study_over_one_and_two_nodes_runs_through_the_queue() {
+    let _c = cluster();
+    let d = out_dir("study");
+    let env = cluster_env();
+    let study = d.join("nodes.toml");
+    let deck = tiny_deck();
+    std::fs::write(
+        &study,
+        format!(
+            "[study]\nname = \"nodes\"\nbase = \"{}\"\nscaling = \"strong\"\nlauncher = \"slurm\"\nranks_per_node = 2\nranks = [2, 4]\nrepeats = 1\nwalltime = \"00:10:00\"\n[set]\n\"run.steps\" = 3\n\"run.threads\" = 1\n\"optim.warmup_steps\" = 1\n",
+            deck.display()
+        ),
+    )
+    .unwrap();
+    let out = d.join("out");
+    sweep_submit(&env, &study, &out);
+    let report_log = out.join("report.out");
+    let begin = Instant::now();
+    loop {
+        let status = String::from_utf8_lossy(&sweep(&env, &["status", out.to_str().unwrap()]).stdout).to_string();
+        let reported = std::fs::read_to_string(&report_log).is_ok_and(|l| l.contains("report --study"));
+        if reported && !status.contains("queued") && !status.contains("running") {
+            assert_eq!(status.lines().filter(|l| l.ends_with(" done")).count(), 2, "{status}");
+            break;
+        }
+        assert!(begin.elapsed() < Duration::from_secs(300), "the study did not end within 300 s: {status}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for (label, nodes) in [("ranks_2", 1), ("ranks_4", 2)] {
+        let log = std::fs::read_to_string(out.join(format!("runs/{label}/run.json"))).unwrap_or_default();
+        let hosts = ["cn1", "cn2"].iter().filter(|h| log.contains(&format!("\"{h}\""))).count();
+        assert_eq!(hosts, nodes, "{label}: ranks on {nodes} node(s): {log}");
+    }
+    assert!(out.join("report/study.md").exists(), "{}", std::fs::read_to_string(&report_log).unwrap_or_default());
+}
+
+/// `ndtrain probe --deck` on 2 hosts × 2 ranks with the hosts' links shaped to 1 Gbit/s: it
+/// finds 2 nodes in MPI's node communicator, measures the collectives between them and writes
+/// `inter_node_bandwidth` and `inter_node_latency`; the bandwidth is at most the link's.
+#[test]
+fn the_probe_measures_the_network_between_nodes() {
+    let _c = cluster();
+    let shape = cluster_cmd(&["shape", "--rate", "1gbit"]);
+    assert!(shape.status.success(), "{}", text(&shape));
+    let deck = tiny_deck();
+    let (o, timed_out) = output_within(mpirun(4).args([bin(), "probe", "--deck", deck.to_str().unwrap(), "--set", "run.threads=1"]), 600);
+    let unshape = cluster_cmd(&["shape"]);
+    assert!(unshape.status.success(), "{}", text(&unshape));
+    assert!(!timed_out && o.status.success(), "{}", text(&o));
+    let report = console(&o);
+    assert!(report.contains("on 2 node(s) (MPI's shared-memory node communicator has 2 group(s)) of 2 rank(s)"), "{report}");
+    let key = |name: &str| -> f64 {
+        let line = report.lines().find(|l| l.starts_with(&format!("{name} = "))).unwrap_or_else(|| panic!("no {name}: {report}"));
+        line.split(" = ").nth(1).unwrap().trim().parse().unwrap()
+    };
+    let (bandwidth, latency) = (key("inter_node_bandwidth"), key("inter_node_latency"));
+    // 1 Gbit/s is 1.25e8 bytes/s, shared by the node's 2 ranks; 10 % for the shaper's burst.
+    assert!(bandwidth > 0.0 && bandwidth <= 1.1 * 1.25e8, "inter_node_bandwidth = {bandwidth:e}: {report}");
+    assert!(latency > 0.0 && latency.is_finite(), "inter_node_latency = {latency:e}: {report}");
+    assert!(key("intra_node_bandwidth") > 0.0, "{report}");
 }

@@ -32,25 +32,6 @@ impl Drop for Cluster {
     }
 }
 
-/// `sbatch --wait` of the job script with `sets` as its `SETS` and `resources` as sbatch options;
-/// returns the exit code and the job's output.
-fn sbatch(env: &[(String, String)], out: &std::path::Path, name: &str, sets: &str, resources: &[&str]) -> (i32, String) {
-    let job_out = out.join(format!("{name}.out"));
-    let export = format!("ALL,DECK={},NDTRAIN={},SETS={sets}", tiny_deck().display(), bin());
-    let o = Command::new("sbatch")
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .args(["--wait", "--time=00:10:00", &format!("--job-name={name}")])
-        .args(resources)
-        .arg(format!("--chdir={}", repo().display()))
-        .arg(format!("--output={}", job_out.display()))
-        .arg(format!("--export={export}"))
-        .arg(repo().join("jobscripts/slurm/train.sbatch"))
-        .output()
-        .expect("sbatch runs");
-    let log = std::fs::read_to_string(&job_out).unwrap_or_default();
-    (o.status.code().unwrap_or(-1), format!("{}\n--- job output ---\n{log}", text(&o)))
-}
-
 #[test]
 fn a_slurm_job_trains_and_checkpoints_and_a_second_job_resumes() {
     let script = slurm_local();
@@ -125,27 +106,14 @@ fn a_study_runs_through_the_queue(env: &[(String, String)], dir: &std::path::Pat
     )
     .unwrap();
     let out = dir.join("study");
-    let sweep = |args: &[&str]| {
-        Command::new(bin())
-            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .env("NDTRAIN", bin())
-            .current_dir(repo())
-            .arg("sweep")
-            .args(args)
-            .output()
-            .unwrap()
-    };
-    let o = sweep(&[study.to_str().unwrap(), "--out", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", text(&o));
-    let o = sweep(&["submit", out.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", text(&o));
+    sweep_submit(env, &study, &out);
     let jobs: Vec<Vec<String>> = std::fs::read_to_string(out.join("jobs.csv"))
         .unwrap()
         .lines()
         .skip(1)
         .map(|l| l.split(',').map(str::to_string).collect())
         .collect();
-    assert_eq!(jobs.len(), 4, "every job in jobs.csv: {jobs:?}\n{}", text(&o));
+    assert_eq!(jobs.len(), 4, "every job in jobs.csv: {jobs:?}");
     for j in &jobs {
         let (label, repeat, id) = (&j[0], &j[1], &j[2]);
         assert_eq!(j[3], out.join(format!("{label}/r{repeat}/job.sh")).display().to_string());
@@ -174,7 +142,7 @@ fn a_study_runs_through_the_queue(env: &[(String, String)], dir: &std::path::Pat
         assert!(Command::new("scontrol").args(["release", id]).status().unwrap().success());
     }
     let report_log = out.join("report.out");
-    let status = || String::from_utf8_lossy(&sweep(&["status", out.to_str().unwrap()]).stdout).to_string();
+    let status = || String::from_utf8_lossy(&sweep(env, &["status", out.to_str().unwrap()]).stdout).to_string();
     wait_for("the study's jobs and its report to end", 300, &report_log, || {
         std::fs::read_to_string(&report_log).is_ok_and(|l| l.contains("report --study"))
             && !status().contains("queued")

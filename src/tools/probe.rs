@@ -8,7 +8,10 @@
 //! a few sizes and fits the rate curve `peak × f / (f + half)`, the real model's forward and
 //! backward on one micro-batch (what the GEMMs leave is the attention's and the elementwise
 //! work's time per token and block) and its AdamW step, a triad, and the program's own
-//! all-reduce, all-gather and reduce-scatter over the node for latency and bandwidth.
+//! all-reduce, all-gather and reduce-scatter over the node for latency and bandwidth. On a job
+//! that spans nodes the same collectives between nodes — over the ranks of equal node-local
+//! rank, all such groups at once, so each rank measures its share of its node's network — give
+//! `inter_node_bandwidth` and `inter_node_latency`.
 
 use crate::backend::cpu::attention::{attention_bwd, attention_fwd};
 use crate::backend::cpu::gemm::{linear_bwd, linear_fwd};
@@ -68,8 +71,13 @@ pub struct Calibration {
     pub optimizer_bandwidth: f64,
     pub memory_bandwidth: f64,
     /// `(latency s, bandwidth bytes/s)` of the node's all-reduce, all-gather, reduce-scatter
-    /// (`None` on one rank).
+    /// (`None` on one rank per node).
     pub collectives: Option<[(f64, f64); 3]>,
+    /// Nodes of the job: the groups of MPI's shared-memory node communicator.
+    pub nodes: usize,
+    /// The same between nodes, over the ranks of equal node-local rank, every such group at
+    /// once (so each rank gets its share of its node's network); `None` on one node.
+    pub inter_node: Option<[(f64, f64); 3]>,
     /// What a blocking 8-byte all-reduce costs between compute chunks, beyond the chunks:
     /// the wait for peers that the scheduler has not run yet (0 on one rank).
     pub sync_wait_s: f64,
@@ -106,6 +114,10 @@ impl Calibration {
             cp_extra_s_per_token: self.cp_extra_s_per_token,
             ..HardwareCfg::default()
         };
+        if let Some(c) = &self.inter_node {
+            h.inter_node_bandwidth = c[1].1.min(c[0].1).min(c[2].1);
+            h.inter_node_latency = c.iter().map(|x| x.0).fold(0.0, f64::max);
+        }
         if let Some(c) = &self.collectives {
             // Moving bytes (the all-gather) and moving and summing them (the others) differ by
             // the reduction's pass over memory.
@@ -127,8 +139,14 @@ pub fn run_deck(deck_path: &Path, set: &[String]) -> Result<Option<String>, Stri
     let cpus = crate::run::placement::affinity();
     let threads = crate::run::placement::threads_on_node(&node, deck.run.threads, &cpus);
     crate::backend::cpu::use_threads(threads);
-    let mut cal =
-        Calibration { ranks_per_node: node.size(), cores_per_node: crate::run::placement::node_cpus(), threads, ..Calibration::default() };
+    let nodes = world.count_true(node.rank() == 0);
+    let mut cal = Calibration {
+        ranks_per_node: node.size(),
+        cores_per_node: crate::run::placement::node_cpus(),
+        threads,
+        nodes,
+        ..Calibration::default()
+    };
     fit_gemm(&world, &deck.model, deck.train.micro_batch * deck.train.seq_len, &mut cal);
     let step = |seq_len: usize| {
         let alone = world.split("probe_self", world.rank(), 0);
@@ -162,9 +180,21 @@ pub fn run_deck(deck_path: &Path, set: &[String]) -> Result<Option<String>, Stri
     cal.optimizer_bandwidth = 28.0 * own.params as f64 / cal.model_opt_s.max(1e-9);
     world.barrier();
     cal.memory_bandwidth = world_min(&world, memory_bandwidth());
-    if world.size() > 1 {
-        cal.collectives = Some(collectives(&world));
-        cal.sync_wait_s = sync_wait(&world);
+    if nodes > 1 {
+        // Ranks of equal node-local rank, one per node: what a data-parallel axis across nodes
+        // is, every node's ranks sending at once.
+        let across = world.split("probe_across", node.rank(), world.rank());
+        cal.inter_node = world
+            .agree(if across.size() == nodes {
+                Ok(collectives(&across))
+            } else {
+                Err(format!("probe: the nodes hold different numbers of ranks ({} on this one); give every node the same", node.size()))
+            })
+            .map(Some)?;
+    }
+    if node.size() > 1 {
+        cal.collectives = Some(collectives(&node));
+        cal.sync_wait_s = sync_wait(&node);
         calibrate_pairs(&world, &deck, &mut cal)?;
     }
     // The groups are freed before `rt` finalises MPI (locals drop in reverse order).
@@ -488,8 +518,10 @@ fn sync_wait(world: &Group) -> f64 {
 /// The report rank 0 prints: what was measured, then the `[hardware]` table.
 fn describe(cal: &Calibration, deck: &Path) -> String {
     let mut s = format!(
-        "probe of {} on {} rank(s) of this node at once, {} thread(s) each, {} core(s)\n",
+        "probe of {} on {} node(s) (MPI's shared-memory node communicator has {} group(s)) of {} rank(s) at once, {} thread(s) each, {} core(s)\n",
         deck.display(),
+        cal.nodes,
+        cal.nodes,
         cal.ranks_per_node,
         cal.threads,
         cal.cores_per_node
@@ -507,6 +539,12 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
         );
         s += &format!("a blocking all-reduce between compute chunks waits {:.2e} s\n", cal.sync_wait_s);
     }
+    if let Some(c) = &cal.inter_node {
+        s += &format!(
+            "between nodes (one rank per node, every node-local rank at once): all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
+            c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
+        );
+    }
     for (axis, measured, predicted) in &cal.pairs {
         s += &format!("{axis} 2 on pairs of ranks, one micro-batch: {measured:.4} s measured, {predicted:.4} s by the model without it\n");
     }
@@ -521,6 +559,9 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
     let table: Vec<String> = h.block_s_per_token.iter().map(|[t, v]| format!("[{t}, {v:.4e}]")).collect();
     s += &format!("block_s_per_token = [{}]\n", table.join(", "));
     s += &format!("optimizer_bandwidth = {:.4e}\nmemory_bandwidth = {:.4e}\n", h.optimizer_bandwidth, h.memory_bandwidth);
+    if cal.inter_node.is_some() {
+        s += &format!("inter_node_bandwidth = {:.4e}\ninter_node_latency = {:.4e}\n", h.inter_node_bandwidth, h.inter_node_latency);
+    }
     if cal.collectives.is_some() {
         s += &format!(
             "intra_node_bandwidth = {:.4e}\nintra_node_reduce_bandwidth = {:.4e}\n",

@@ -357,3 +357,43 @@ pub fn train_experts(dir: &Path, name: &str, ranks: usize, extra: &[&str]) -> Ve
     sets.extend_from_slice(extra);
     train_losses(dir, name, &tiny_deck(), (ranks > 1).then_some(ranks), &sets).1
 }
+
+/// `sbatch --wait` of the job script with `sets` as its `SETS` and `resources` as sbatch options;
+/// returns the exit code and the job's output.
+pub fn sbatch(env: &[(String, String)], out: &Path, name: &str, sets: &str, resources: &[&str]) -> (i32, String) {
+    let job_out = out.join(format!("{name}.out"));
+    let export = format!("ALL,DECK={},NDTRAIN={},SETS={sets}", tiny_deck().display(), bin());
+    let o = Command::new("sbatch")
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .args(["--wait", "--time=00:10:00", &format!("--job-name={name}")])
+        .args(resources)
+        .arg(format!("--chdir={}", repo().display()))
+        .arg(format!("--output={}", job_out.display()))
+        .arg(format!("--export={export}"))
+        .arg(repo().join("jobscripts/slurm/train.sbatch"))
+        .output()
+        .expect("sbatch runs");
+    let log = std::fs::read_to_string(&job_out).unwrap_or_default();
+    (o.status.code().unwrap_or(-1), format!("{}\n--- job output ---\n{log}", text(&o)))
+}
+
+/// `ndtrain sweep ARGS` from the repository root with the batch system's `env` (and the
+/// binary as the jobs' `NDTRAIN`).
+pub fn sweep(env: &[(String, String)], args: &[&str]) -> Output {
+    Command::new(bin())
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("NDTRAIN", bin())
+        .current_dir(repo())
+        .arg("sweep")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `sweep STUDY --out OUT` then `sweep submit OUT`, each asserted to succeed.
+pub fn sweep_submit(env: &[(String, String)], study: &Path, out: &Path) {
+    let o = sweep(env, &[study.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = sweep(env, &["submit", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+}
