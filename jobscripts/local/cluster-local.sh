@@ -45,7 +45,7 @@ die() { printf 'cluster-local: error: %s\n' "$*" >&2; exit 1; }
 need() {
   local c
   for c in "$@"; do
-    command -v "$c" >/dev/null 2>&1 || die "$c not found (apt-get install iproute2 util-linux)"
+    command -v "$c" >/dev/null 2>&1 || die "$c not found (apt-get install iproute2 util-linux procps)"
   done
 }
 
@@ -316,7 +316,7 @@ cmd_start() {
     esac
   done
   [ "$n" -le 200 ] || die "start $n: at most 200 hosts on $SUBNET.0/24"
-  need ip nsenter unshare tc flock mount
+  need ip nsenter unshare tc flock mount sysctl
   if [ "$(running_hosts)" = "$n" ] && [ "$(wc -l < "$DIR/hosts.list")" = "$n" ] \
      && ip link show "$BRIDGE" >/dev/null 2>&1; then
     log "$n hosts already running"
