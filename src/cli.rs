@@ -4,6 +4,7 @@
 //! the work is code 1. `ndtrain train` is an SPMD MPI job started in `run::launch`;
 //! `gpu-check` an MPI program in `tools::gpu_check`; the other subcommands run as one process.
 
+use crate::config::RankPlacement;
 use crate::exit::{self, BAD_INPUT, OK, RUN_FAILED};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -35,6 +36,10 @@ enum Cmd {
         /// Ranks per node (default: the deck's `[hardware] ranks_per_node`).
         #[arg(long)]
         ranks_per_node: Option<usize>,
+        /// How the launcher deals ranks to nodes: block or cyclic (default: the deck's
+        /// `[hardware] rank_placement`).
+        #[arg(long, value_parser = ["block", "cyclic"])]
+        placement: Option<String>,
         /// Enumerate every valid (pp, dp_replicate, dp_shard, cp, tp) and rank them by the cost model.
         #[arg(long)]
         all_layouts: bool,
@@ -176,8 +181,9 @@ pub fn main() -> i32 {
     }
     match cli.cmd {
         Cmd::Train { deck, set } => crate::run::launch::train(&deck, &set).code(),
-        Cmd::Plan { deck, ranks, ranks_per_node, all_layouts, set } => {
-            printed(crate::tools::plan::command(&deck, ranks, ranks_per_node, all_layouts, &set), BAD_INPUT)
+        Cmd::Plan { deck, ranks, ranks_per_node, placement, all_layouts, set } => {
+            let placement = placement.map(|p| if p == "cyclic" { RankPlacement::Cyclic } else { RankPlacement::Block });
+            printed(crate::tools::plan::command(&deck, ranks, ranks_per_node, placement, all_layouts, &set), BAD_INPUT)
         }
         Cmd::Probe { threads, deck: None, .. } => printed(Ok::<_, String>(crate::tools::probe::report(threads)), RUN_FAILED),
         Cmd::Probe { threads, deck: Some(deck), mut set } => {

@@ -384,7 +384,9 @@ fn a_study_over_one_and_two_nodes_runs_through_the_queue() {
 
 /// `ndtrain probe --deck` on 2 hosts × 2 ranks with the hosts' links shaped to 1 Gbit/s: it
 /// finds 2 nodes in MPI's node communicator, measures the collectives between them and writes
-/// `inter_node_bandwidth` and `inter_node_latency`; the bandwidth is at most the link's.
+/// `inter_node_bandwidth` (the all-gather's), the all-reduce's and the reduce-scatter's and
+/// `inter_node_latency`; each bandwidth is at most the link's; and the share of a
+/// non-blocking all-gather across the hosts that moves while the ranks compute.
 #[test]
 fn the_probe_measures_the_network_between_nodes() {
     let _c = cluster();
@@ -401,9 +403,15 @@ fn the_probe_measures_the_network_between_nodes() {
         let line = report.lines().find(|l| l.starts_with(&format!("{name} = "))).unwrap_or_else(|| panic!("no {name}: {report}"));
         line.split(" = ").nth(1).unwrap().trim().parse().unwrap()
     };
-    let (bandwidth, latency) = (key("inter_node_bandwidth"), key("inter_node_latency"));
     // 1 Gbit/s is 1.25e8 bytes/s, shared by the node's 2 ranks; 10 % for the shaper's burst.
-    assert!(bandwidth > 0.0 && bandwidth <= 1.1 * 1.25e8, "inter_node_bandwidth = {bandwidth:e}: {report}");
+    for name in ["inter_node_bandwidth", "inter_node_all_reduce_bandwidth", "inter_node_reduce_scatter_bandwidth"] {
+        let bandwidth = key(name);
+        assert!(bandwidth > 0.0 && bandwidth <= 1.1 * 1.25e8, "{name} = {bandwidth:e}: {report}");
+    }
+    let latency = key("inter_node_latency");
     assert!(latency > 0.0 && latency.is_finite(), "inter_node_latency = {latency:e}: {report}");
     assert!(key("intra_node_bandwidth") > 0.0, "{report}");
+    let share = key("overlap_efficiency");
+    assert!((0.0..=1.0).contains(&share), "overlap_efficiency = {share}: {report}");
+    assert!(report.contains("% of it moved while computing"), "{report}");
 }

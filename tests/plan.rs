@@ -288,6 +288,53 @@ fn the_llama3_405b_layouts_plan_and_fit() {
     }
 }
 
+/// The step times docs/planning.md gives for the 405B layout on the deck's [hardware]: with
+/// the overlap the code does and with every collective exposed, at the f32 peak the deck sets
+/// and at the BF16 peak.
+#[test]
+fn the_llama3_405b_step_times_are_those_the_docs_give() {
+    let deck = repo().join("inputs/llama3_405b.toml");
+    let step = |sets: &[&str]| {
+        let owned: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let d = Deck::from_file(&deck, &owned).unwrap();
+        let p = ndtrain::tools::plan::plan(&d.resolve(16384).unwrap());
+        ndtrain::tools::plan::cost(&p, &d, &d.hardware, d.hardware.peak_flops_per_rank).step_s
+    };
+    let bf16 = "hardware.peak_flops_per_rank=9.89e14";
+    for (sets, docs) in [
+        (&[][..], 25.8),
+        (&["parallel.overlap=false"][..], 36.3),
+        (&[bf16, "parallel.overlap=false"][..], 31.0),
+        (&[bf16][..], 25.8),
+        (&[bf16, "parallel.reshard_after_forward=false"][..], 18.6),
+    ] {
+        let s = step(sets);
+        assert!((s - docs).abs() < 0.05, "{sets:?}: {s:.3} s per step, docs/planning.md says {docs}");
+    }
+    assert!(step(&[]) < step(&["parallel.overlap=false"]));
+}
+
+/// `plan --placement cyclic` deals the ranks to the nodes in turn: tp 2 on nodes of 2 then
+/// spans them (the warning, and the ranking's note), where the block placement keeps it in.
+#[test]
+fn a_cyclic_placement_puts_tp_across_nodes() {
+    let deck = tiny_deck();
+    let plan = |placement: &str, all: bool| {
+        let mut args = vec!["plan", deck.to_str().unwrap(), "--ranks", "4", "--ranks-per-node", "2", "--placement", placement];
+        args.extend(["--set", "parallel.tp=2"]);
+        if all {
+            args.push("--all-layouts");
+        }
+        let o = run_single(&args);
+        assert!(o.status.success(), "{}", text(&o));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    assert!(plan("cyclic", false).contains("warning: 2 of 2 tp group(s) span nodes"), "{}", plan("cyclic", false));
+    assert!(!plan("block", false).contains("tp group(s) span nodes"), "{}", plan("block", false));
+    let ranking = plan("cyclic", true);
+    assert!(ranking.contains("placed cyclically") && ranking.contains("tp spans nodes"), "{ranking}");
+}
+
 /// `probe --deck` then `plan` on the tiny deck (2 ranks, FSDP, bigger micro-batches so a step
 /// is mostly compute), against the same layout trained: the predicted step time within a factor
 /// of 2 of the measured median (a planner that ignored the calibration, or timed the model at
@@ -317,6 +364,7 @@ fn probe_then_plan_predicts_a_measured_step_within_a_factor_of_two() {
         "intra_node_latency",
         "tp_extra_s_per_token",
         "cp_extra_s_per_token",
+        "overlap_efficiency",
     ] {
         assert!(hardware.contains(key), "{key} missing:\n{probe}");
     }
@@ -347,18 +395,38 @@ fn probe_then_plan_predicts_a_measured_step_within_a_factor_of_two() {
 
 /// Without FSDP a replicated rank all-reduces one unit's gradient per call: the plan prices
 /// the dp_rep all-reduce as the ring's bytes over the bandwidth plus a latency per unit (a
-/// plan that took one call per byte priced this layout at minutes per step).
+/// plan that took one call per byte priced this layout at minutes per step). With overlap it
+/// runs under the last backward: what `overlap_efficiency` lets move while computing, up to
+/// that backward, is hidden, and one unit's share stays exposed at least.
 #[test]
-fn replicated_data_parallelism_is_priced_per_unit() {
+fn replicated_data_parallelism_is_priced_per_unit_and_hidden_under_the_backward() {
     let deck = repo().join("inputs/bench_small.toml");
-    let sets = ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch=1", "train.global_batch=4"].map(String::from);
-    let d = Deck::from_file(&deck, &sets).unwrap();
-    let p = ndtrain::tools::plan::plan(&d.resolve(2).unwrap());
-    let hw = ndtrain::config::HardwareCfg { intra_node_bandwidth: 1e9, intra_node_latency: 1e-6, ranks_per_node: 2, ..Default::default() };
-    let c = ndtrain::tools::plan::cost(&p, &d, &hw, 1e11);
+    let base = ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch=1", "train.global_batch=4"];
+    let hw = ndtrain::config::HardwareCfg { intra_node_bandwidth: 1e8, intra_node_latency: 1e-6, ranks_per_node: 2, ..Default::default() };
+    let cost = |overlap: &str, efficiency: f64| {
+        let sets: Vec<String> = base.iter().chain(&[overlap]).map(|s| s.to_string()).collect();
+        let d = Deck::from_file(&deck, &sets).unwrap();
+        let p = ndtrain::tools::plan::plan(&d.resolve(2).unwrap());
+        let c = ndtrain::tools::plan::cost(&p, &d, &ndtrain::config::HardwareCfg { overlap_efficiency: efficiency, ..hw.clone() }, 1e11);
+        (p, d, c)
+    };
+    let (p, d, blocking) = cost("parallel.overlap=false", 1.0);
     // A ring all-reduce over 2 ranks moves 2·(n−1)/n = 1 time the bytes.
-    let ring = p.comm["dp_rep.all_reduce"] as f64 / 1e9;
+    let ring = p.comm["dp_rep.all_reduce"] as f64 / 1e8;
     let units = (d.model.n_layers + 1) as f64;
-    let dp = c.comm_s["dp_rep"];
+    let dp = blocking.comm_s["dp_rep"];
     assert!(dp >= ring && dp <= ring + 2.0 * units * 1e-6 + 1e-9, "dp_rep {dp} s for {ring} s of bytes");
+    assert_eq!(blocking.comm_whole_s["dp_rep"], dp);
+    // The last backward: two thirds of a micro-batch's compute at the peak.
+    let backward = p.flops_per_rank / 1e11 / p.grad_accum as f64 * 2.0 / 3.0;
+    for efficiency in [1.0, 0.5, 0.0] {
+        let (_, _, c) = cost("parallel.overlap=true", efficiency);
+        let expected = (dp - (efficiency * dp).min(backward)).max(dp / units);
+        assert!(
+            (c.comm_s["dp_rep"] - expected).abs() < 1e-9 * dp,
+            "efficiency {efficiency}: {} s, expected {expected} s",
+            c.comm_s["dp_rep"]
+        );
+        assert_eq!(c.comm_whole_s["dp_rep"], dp);
+    }
 }

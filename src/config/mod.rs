@@ -552,6 +552,28 @@ impl Default for LogCfg {
     }
 }
 
+/// `[hardware] rank_placement`: which node each rank of a job lands on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RankPlacement {
+    /// Consecutive ranks share a node: Slurm's default block distribution, Open MPI's
+    /// `--map-by slot` or `core`.
+    #[default]
+    Block,
+    /// Ranks dealt to the nodes in turn: `srun --distribution=cyclic`, `mpirun --map-by node`.
+    Cyclic,
+}
+
+impl RankPlacement {
+    /// The node of `rank` in a job of `nodes` nodes of `per_node` ranks each.
+    pub fn node_of(self, rank: usize, per_node: usize, nodes: usize) -> usize {
+        match self {
+            RankPlacement::Block => rank / per_node.max(1),
+            RankPlacement::Cyclic => rank % nodes.max(1),
+        }
+    }
+}
+
 /// `[hardware]`: peak rates used for MFU, and the machine `ndtrain plan` models.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -562,13 +584,22 @@ pub struct HardwareCfg {
     pub memory_per_rank: f64,
     /// Ranks on one node (the planner keeps groups of up to this many consecutive ranks on a node).
     pub ranks_per_node: usize,
+    /// How the launcher deals the ranks to the nodes, for the planner's links.
+    pub rank_placement: RankPlacement,
     /// Bandwidth of one rank to another rank of its node, bytes/s.
     pub intra_node_bandwidth: f64,
     /// The same for collectives that sum what they move (all-reduce, reduce-scatter), bytes/s
     /// (0 = `intra_node_bandwidth`).
     pub intra_node_reduce_bandwidth: f64,
-    /// One rank's share of its node's network bandwidth, bytes/s.
+    /// One rank's share of its node's network bandwidth, bytes/s: all-gathers, sends and the
+    /// all-to-all; the all-reduce's and the reduce-scatter's own (MPI picks another algorithm
+    /// for each) where they are set (0 = `inter_node_bandwidth`).
     pub inter_node_bandwidth: f64,
+    pub inter_node_all_reduce_bandwidth: f64,
+    pub inter_node_reduce_scatter_bandwidth: f64,
+    /// The share of a non-blocking collective's time that moves while the rank computes
+    /// (between the progress calls the model makes), measured by the probe; 1 = all of it.
+    pub overlap_efficiency: f64,
     /// Latency of one message inside a node, seconds.
     pub intra_node_latency: f64,
     /// Latency of one message between nodes, seconds.
@@ -617,9 +648,13 @@ impl Default for HardwareCfg {
             peak_flops_per_rank: 0.0,
             memory_per_rank: 0.0,
             ranks_per_node: 1,
+            rank_placement: RankPlacement::Block,
             intra_node_bandwidth: 10e9,
             intra_node_reduce_bandwidth: 0.0,
             inter_node_bandwidth: 12.5e9,
+            inter_node_all_reduce_bandwidth: 0.0,
+            inter_node_reduce_scatter_bandwidth: 0.0,
+            overlap_efficiency: 1.0,
             intra_node_latency: 1e-6,
             inter_node_latency: 5e-6,
             cores_per_node: 0,

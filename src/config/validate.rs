@@ -167,6 +167,8 @@ impl Deck {
             ("intra_node_bandwidth", h.intra_node_bandwidth),
             ("intra_node_reduce_bandwidth", h.intra_node_reduce_bandwidth),
             ("inter_node_bandwidth", h.inter_node_bandwidth),
+            ("inter_node_all_reduce_bandwidth", h.inter_node_all_reduce_bandwidth),
+            ("inter_node_reduce_scatter_bandwidth", h.inter_node_reduce_scatter_bandwidth),
             ("intra_node_latency", h.intra_node_latency),
             ("inter_node_latency", h.inter_node_latency),
             ("gemm_half_rate_rows", h.gemm_half_rate_rows),
@@ -187,6 +189,9 @@ impl Deck {
                 err(format!("[hardware] block_s_per_token has [{tokens}, {s}]: each pair must be [tokens >= 1, seconds >= 0]"))
             })?;
         }
+        need(h.overlap_efficiency.is_finite() && (0.0..=1.0).contains(&h.overlap_efficiency), || {
+            err(format!("[hardware] overlap_efficiency({}) must be between 0 and 1", h.overlap_efficiency))
+        })?;
         need(h.intra_node_bandwidth > 0.0 && h.inter_node_bandwidth > 0.0, || {
             err(format!(
                 "[hardware] intra_node_bandwidth({:e}) and inter_node_bandwidth({:e}) must be > 0 bytes/s",

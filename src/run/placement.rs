@@ -207,10 +207,15 @@ pub fn groups_across_nodes(places: &[Place], layout: &crate::config::Layout) -> 
     spanning_groups(|rank| host_of.get(&rank).map(|h| h.to_string()), layout)
 }
 
-/// [`groups_across_nodes`] for a job not yet placed: `ranks_per_node` consecutive ranks per
-/// node, as `ndtrain plan` assumes.
-pub fn groups_across_planned_nodes(ranks_per_node: usize, layout: &crate::config::Layout) -> Vec<String> {
-    spanning_groups(|rank| Some(format!("node{}", rank / ranks_per_node.max(1))), layout)
+/// [`groups_across_nodes`] for a job not yet placed: nodes of `ranks_per_node` ranks, dealt
+/// as `placement` says, as `ndtrain plan` assumes.
+pub fn groups_across_planned_nodes(
+    ranks_per_node: usize,
+    placement: crate::config::RankPlacement,
+    layout: &crate::config::Layout,
+) -> Vec<String> {
+    let nodes = layout.world_size().div_ceil(ranks_per_node.max(1));
+    spanning_groups(|rank| Some(format!("node{}", placement.node_of(rank, ranks_per_node, nodes))), layout)
 }
 
 fn spanning_groups(host_of: impl Fn(usize) -> Option<String>, layout: &crate::config::Layout) -> Vec<String> {
@@ -294,17 +299,21 @@ mod tests {
     use super::*;
 
     /// The plan's view of 4 ranks on nodes of 2: with tp 2 × cp 2 the cp groups span nodes (a
-    /// warning), the tp groups do not; with tp 4 the tp group does; on one node of 4 nothing.
+    /// warning), the tp groups do not; with tp 4 the tp group does; on one node of 4 nothing;
+    /// dealt cyclically, tp 2 does.
     #[test]
     fn planned_nodes_name_the_groups_that_span_them() {
         use crate::config::Layout;
         let layout = |cp, tp| Layout { pp: 1, dp_replicate: 1, dp_shard: 4 / (cp * tp), cp, tp, ep: 1 };
-        let lines = groups_across_planned_nodes(2, &layout(2, 2));
+        let lines = groups_across_planned_nodes(2, crate::config::RankPlacement::Block, &layout(2, 2));
         assert!(lines.iter().any(|l| l.starts_with("warning: 2 of 2 cp group(s) span nodes")), "{lines:?}");
         assert!(!lines.iter().any(|l| l.contains(" tp group")), "{lines:?}");
-        let lines = groups_across_planned_nodes(2, &layout(1, 4));
+        let lines = groups_across_planned_nodes(2, crate::config::RankPlacement::Block, &layout(1, 4));
         assert!(lines.iter().any(|l| l.starts_with("warning: 1 of 1 tp group(s) span nodes (up to 2 nodes each)")), "{lines:?}");
-        assert!(groups_across_planned_nodes(4, &layout(2, 2)).is_empty());
+        assert!(groups_across_planned_nodes(4, crate::config::RankPlacement::Block, &layout(2, 2)).is_empty());
+        // Ranks dealt to the nodes in turn put each tp pair on two nodes.
+        let lines = groups_across_planned_nodes(2, crate::config::RankPlacement::Cyclic, &layout(1, 2));
+        assert!(lines.iter().any(|l| l.starts_with("warning: 2 of 2 tp group(s) span nodes")), "{lines:?}");
     }
 
     fn cpus(a: usize, b: usize) -> Vec<usize> {

@@ -92,6 +92,9 @@ pub struct Calibration {
     /// What those runs took beyond the model, per token per block at degree 2.
     pub tp_extra_s_per_token: f64,
     pub cp_extra_s_per_token: f64,
+    /// A non-blocking all-gather over every rank beside compute: `[alone s, compute s, both s]`
+    /// and the share of it that moved while computing (`None` on one rank).
+    pub overlap: Option<([f64; 3], f64)>,
 }
 
 impl Calibration {
@@ -115,8 +118,12 @@ impl Calibration {
             ..HardwareCfg::default()
         };
         if let Some(c) = &self.inter_node {
-            h.inter_node_bandwidth = c[1].1.min(c[0].1).min(c[2].1);
+            // MPI picks its algorithm per collective: each its own rate.
+            (h.inter_node_all_reduce_bandwidth, h.inter_node_bandwidth, h.inter_node_reduce_scatter_bandwidth) = (c[0].1, c[1].1, c[2].1);
             h.inter_node_latency = c.iter().map(|x| x.0).fold(0.0, f64::max);
+        }
+        if let Some((_, share)) = self.overlap {
+            h.overlap_efficiency = share;
         }
         if let Some(c) = &self.collectives {
             // Moving bytes (the all-gather) and moving and summing them (the others) differ by
@@ -191,6 +198,9 @@ pub fn run_deck(deck_path: &Path, set: &[String]) -> Result<Option<String>, Stri
                 Err(format!("probe: the nodes hold different numbers of ranks ({} on this one); give every node the same", node.size()))
             })
             .map(Some)?;
+    }
+    if world.size() > 1 {
+        cal.overlap = Some(overlap(&world));
     }
     if node.size() > 1 {
         cal.collectives = Some(collectives(&node));
@@ -486,6 +496,50 @@ fn collectives(world: &Group) -> [(f64, f64); 3] {
     })
 }
 
+/// How much of a non-blocking collective moves while the ranks compute, as FSDP's prefetch
+/// runs in training: every rank gathers 4 MiB from each rank of `group` (all of them at once,
+/// over the network where the group spans nodes) while it runs GEMMs of a block piece's size
+/// with a progress call after each, as the model makes between its pieces, for half as long
+/// again as the gather alone takes. Slowest rank, medians of 3 rounds:
+/// `([gather alone, compute alone, both], (alone + compute − both) / alone)`, the share in [0, 1].
+fn overlap(group: &Group) -> ([f64; 3], f64) {
+    let (len, n) = (1 << 20, group.size());
+    let (rows, cols, inner) = (256, 1536, 512);
+    let x = vec![0.5f32; rows * inner];
+    let w = vec![0.25f32; cols * inner];
+    let mut y = vec![0.0f32; rows * cols];
+    let mut compute = |chunks: usize| {
+        for _ in 0..chunks {
+            linear_fwd(&mut y, &x, &w, rows, cols, inner, false);
+            crate::parallel::comm::progress();
+        }
+    };
+    let timed = |f: &mut dyn FnMut()| {
+        group.barrier();
+        let t = Instant::now();
+        f();
+        world_max(group, t.elapsed().as_secs_f64())
+    };
+    let send = vec![1.0f32; len];
+    let mut recv = vec![0.0f32; len * n];
+    let alone = median(&(0..3).map(|_| timed(&mut || group.all_gather_f32(&send, &mut recv))).collect::<Vec<_>>());
+    let chunk = timed(&mut || compute(4)) / 4.0;
+    // The same count on every rank: the slowest rank's chunk sets it.
+    let chunks = ((1.5 * alone / chunk.max(1e-6)).ceil() as usize).clamp(4, 4000);
+    let (mut computing, mut both) = (vec![], vec![]);
+    for _ in 0..3 {
+        computing.push(timed(&mut || compute(chunks)));
+        both.push(timed(&mut || {
+            let t = group.start_all_gather_f32(send.clone(), vec![0.0f32; len * n]);
+            compute(chunks);
+            group.wait(t);
+        }));
+    }
+    let times = [alone, median(&computing), median(&both)];
+    let share = ((times[0] + times[1] - times[2]) / times[0].max(1e-9)).clamp(0.0, 1.0);
+    (times, share)
+}
+
 /// The median seconds a blocking 8-byte all-reduce adds between compute chunks of about a
 /// block's GEMM (20 rounds with, 20 without, every rank at once): in training every exchange
 /// comes between compute, and where ranks share cores a peer may not be running when it is
@@ -545,6 +599,15 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
             c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
         );
     }
+    if let Some((t, share)) = cal.overlap {
+        s += &format!(
+            "a non-blocking all-gather of 4 MiB per rank over every rank beside compute: {:.4} s alone, compute {:.4} s, both {:.4} s: {:.0} % of it moved while computing\n",
+            t[0],
+            t[1],
+            t[2],
+            100.0 * share
+        );
+    }
     for (axis, measured, predicted) in &cal.pairs {
         s += &format!("{axis} 2 on pairs of ranks, one micro-batch: {measured:.4} s measured, {predicted:.4} s by the model without it\n");
     }
@@ -561,6 +624,13 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
     s += &format!("optimizer_bandwidth = {:.4e}\nmemory_bandwidth = {:.4e}\n", h.optimizer_bandwidth, h.memory_bandwidth);
     if cal.inter_node.is_some() {
         s += &format!("inter_node_bandwidth = {:.4e}\ninter_node_latency = {:.4e}\n", h.inter_node_bandwidth, h.inter_node_latency);
+        s += &format!(
+            "inter_node_all_reduce_bandwidth = {:.4e}\ninter_node_reduce_scatter_bandwidth = {:.4e}\n",
+            h.inter_node_all_reduce_bandwidth, h.inter_node_reduce_scatter_bandwidth
+        );
+    }
+    if cal.overlap.is_some() {
+        s += &format!("overlap_efficiency = {:.4}\n", h.overlap_efficiency);
     }
     if cal.collectives.is_some() {
         s += &format!(

@@ -9,17 +9,19 @@
 //! orders them by a simple cost model over the `[hardware]` table (`docs/planning.md`).
 //! Knows nothing of MPI or training.
 
+pub mod network;
 mod text;
 pub mod time;
 
 pub use text::{describe, describe_ranking};
 pub use time::StageTime;
 
-use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, PpSchedule, Resolved};
+use crate::config::{ActCkpt, Deck, HardwareCfg, Layout, PpSchedule, RankPlacement, Resolved};
 use crate::model::params::Dims;
 use crate::model::{ActivationMemory, Model};
 use crate::parallel::fsdp::memory::{predicted_comm_bytes as fsdp_bytes, predicted_memory, StateMemory};
 use crate::parallel::fsdp::ShardPlan;
+use crate::parallel::mesh::GroupKind;
 use crate::parallel::pp::schedule::{bubble_fraction, peak_deferred, peak_in_flight};
 use crate::parallel::pp::{chunks, rank_dims, Chunk};
 use crate::parallel::{cp, ep, tp};
@@ -313,8 +315,10 @@ pub fn valid_layouts(deck: &Deck, world: usize) -> (Vec<Resolved>, usize) {
 #[derive(Clone, Debug)]
 pub struct Cost {
     pub compute_s: f64,
-    /// Seconds per group (all its collective kinds), without overlap.
+    /// Seconds per group (all its collective kinds): exposed (what compute does not hide),
+    /// and whole (each collective's own time, none of it hidden).
     pub comm_s: BTreeMap<String, f64>,
+    pub comm_whole_s: BTreeMap<String, f64>,
     pub step_s: f64,
     /// The fraction of the step a pipeline rank idles (0 without a pipeline).
     pub bubble: f64,
@@ -327,21 +331,6 @@ pub struct Cost {
     /// a pipeline), and the seconds the pipeline's bubble adds; empty and 0 otherwise.
     pub stages: Vec<StageTime>,
     pub bubble_s: f64,
-}
-
-/// How many consecutive ranks a group's members span: groups of inner axes are runs of
-/// consecutive ranks (the mesh's rank order, `docs/parallelism.md`), outer ones span the world.
-fn span(group: &str, l: &Layout) -> usize {
-    match group {
-        "tp" => l.tp,
-        "cp" => l.cp * l.tp,
-        "fsdp" => l.dp_shard * l.cp * l.tp,
-        "ep" => l.ep * l.tp,
-        "expert_fsdp" => l.dp_shard * l.cp * l.tp,
-        // Neighbouring stages are a stage's ranks apart.
-        "pp" => 2 * l.world_size() / l.pp,
-        _ => l.world_size(),
-    }
 }
 
 fn group_size(group: &str, l: &Layout) -> usize {
@@ -358,32 +347,35 @@ fn group_size(group: &str, l: &Layout) -> usize {
     }
 }
 
-/// The estimate: compute at the peak rate, plus every collective as a ring without overlap —
-/// `(n−1)/n` of the counted bytes (twice for an all-reduce; all of them for the all-to-all,
-/// whose counted bytes are already those leaving the rank) over the link's bandwidth (inside a
-/// node, the reducing collectives' own where `[hardware]` gives one), plus
-/// `(n−1)` latencies per call (twice for an all-reduce), with calls estimated from the bytes of
-/// one `[tokens, D]` activation (tp), one unit (fsdp, dp_rep, expert_fsdp), one key/value block
-/// (cp) or one exchange of routed rows (ep). The link is intra-node when the group's span fits
-/// in `ranks_per_node`.
+/// The estimate: compute, plus each collective as a ring over its group's slowest hop
+/// ([`network::link`]) — `(n−1)/n` of the counted bytes (twice for an all-reduce; all of them
+/// for the all-to-all, whose counted bytes are already those leaving the rank) over the hop's
+/// bandwidth (the summing one for all-reduce and reduce-scatter), plus `(n−1)` latencies per
+/// call (twice for an all-reduce), with calls estimated from the bytes of one `[tokens, D]`
+/// activation (tp, pp), one unit (fsdp, dp_rep, expert_fsdp), one key/value block (cp) or one
+/// exchange of routed rows (ep) — of which only what the code does not hide behind compute is
+/// charged ([`exposed`]).
 pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cost {
     let l = &p.layout;
-    let per_node = hw.ranks_per_node.max(1);
     let tokens = (deck.train.micro_batch * deck.train.seq_len / l.cp).max(1) as f64;
-    let mut comm_s: BTreeMap<String, f64> = BTreeMap::new();
+    let mut links: BTreeMap<String, network::Link> = BTreeMap::new();
+    let mut whole: BTreeMap<(String, String), Collective> = BTreeMap::new();
     for (key, &bytes) in &p.comm {
         let (group, kind) = key.split_once('.').unwrap_or((key, ""));
         let n = group_size(group, l) as f64;
         if n <= 1.0 || bytes == 0 {
             continue;
         }
-        let intra = span(group, l) <= per_node;
-        let sums = matches!(kind, "all_reduce" | "reduce_scatter");
-        let (bw, lat) = match intra {
-            true if sums && hw.intra_node_reduce_bandwidth > 0.0 => (hw.intra_node_reduce_bandwidth, hw.intra_node_latency),
-            true => (hw.intra_node_bandwidth, hw.intra_node_latency),
-            false => (hw.inter_node_bandwidth, hw.inter_node_latency),
+        let link = *links.entry(group.to_string()).or_insert_with(|| match network::kind_of(group) {
+            Some(k) => network::link(k, l, hw),
+            None => network::link(GroupKind::Batch, l, hw),
+        });
+        let bw = match kind {
+            "all_reduce" => link.all_reduce_bandwidth,
+            "reduce_scatter" => link.reduce_scatter_bandwidth,
+            _ => link.bandwidth,
         };
+        let lat = link.latency;
         let b = bytes as f64;
         let per_call = match group {
             "tp" => 4.0 * tokens * deck.model.d_model as f64,
@@ -396,47 +388,147 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
             _ => b,
         };
         let calls = (b / per_call).ceil().max(1.0);
-        let t = match kind {
+        let seconds = match kind {
             "all_reduce" => 2.0 * ((n - 1.0) / n * b / bw + (n - 1.0) * lat * calls),
             // The counted bytes are already those that leave the rank.
             "all_to_all" => b / bw + (n - 1.0) * lat * calls,
             _ => (n - 1.0) / n * b / bw + (n - 1.0) * lat * calls,
         };
-        *comm_s.entry(group.to_string()).or_default() += t;
+        whole.insert((group.to_string(), kind.to_string()), Collective { seconds, calls });
     }
     let bubble = p.bubble;
-    let (compute_s, stages, bubble_s, step_s) = if time::calibrated(hw) {
-        // The slowest stage sets the pace; communication is counted exposed.
+    let m = p.grad_accum as f64;
+    // A micro-batch's forward is one of its passes (three, four under full activation
+    // checkpointing, whose recomputed forward runs in the backward).
+    let forward_share = if deck.train.activation_checkpointing == ActCkpt::Full { 0.25 } else { 1.0 / 3.0 };
+    let hide = |micro_batch_s: f64| Hiding {
+        forward_s: micro_batch_s * forward_share,
+        backward_s: micro_batch_s * (1.0 - forward_share),
+        units: (deck.model.n_layers / l.pp + 1) as f64,
+        grad_accum: m,
+        pp: l.pp,
+        overlap: deck.parallel.overlap,
+        efficiency: hw.overlap_efficiency,
+        reshard_after_forward: deck.parallel.reshard_after_forward,
+    };
+    let comm_s_of = |micro_batch_s: f64| exposed(&whole, &hide(micro_batch_s));
+    let per_micro_batch = |comm: &BTreeMap<String, f64>| -> f64 {
+        comm.iter().filter(|(g, _)| matches!(g.as_str(), "tp" | "cp" | "ep" | "fsdp" | "expert_fsdp")).map(|(_, t)| t).sum()
+    };
+    let (compute_s, stages, comm_s, bubble_s, step_s) = if time::calibrated(hw) {
+        // The slowest stage sets the pace; the least compute of any stage hides communication.
         let stages = time::stage_times(p, deck, hw, peak_flops);
         let busy = stages.iter().map(StageTime::total).fold(0.0, f64::max);
-        // The dp_rep all-reduce starts unit by unit as the step's last backward completes each
-        // unit's gradient (`FsdpGrads`): it runs under that backward (two thirds of a
-        // micro-batch's compute), and only what exceeds it is exposed, the last unit's at least.
-        if let Some(dp) = comm_s.get_mut("dp_rep") {
-            let last_backward =
-                stages.iter().map(|s| (s.gemm_s + s.other_s) * 2.0 / 3.0).fold(f64::INFINITY, f64::min) / p.grad_accum as f64;
-            let units = (deck.model.n_layers / l.pp + 1) as f64;
-            *dp = (*dp - last_backward).max(*dp / units);
-        }
-        let idle = time::bubble_s(busy, bubble, l.pp, hw);
-        (busy, stages, idle, busy + idle + comm_s.values().sum::<f64>())
+        let least = stages.iter().map(|s| s.gemm_s + s.other_s).fold(f64::INFINITY, f64::min) / m;
+        let comm_s = comm_s_of(least);
+        // Exposed communication inside a micro-batch lengthens it, and the bubble with it.
+        let idle = time::bubble_s(busy + per_micro_batch(&comm_s), bubble, l.pp, hw);
+        let step = busy + idle + comm_s.values().sum::<f64>();
+        (busy, stages, comm_s, idle, step)
     } else {
         let compute_s = p.flops_per_rank / peak_flops.max(1.0);
-        // A pipeline rank idles `bubble` of the step: the busy time is the rest.
-        let step_s = (compute_s + comm_s.values().sum::<f64>()) / (1.0 - bubble);
-        (compute_s, vec![], step_s - (compute_s + comm_s.values().sum::<f64>()), step_s)
+        let comm_s = comm_s_of(compute_s / m);
+        // A pipeline rank idles `bubble` of the micro-batches' time (their compute and the
+        // communication exposed inside them); the step's own collectives come once, after.
+        let inside = compute_s + per_micro_batch(&comm_s);
+        let idle = inside / (1.0 - bubble) - inside;
+        (compute_s, vec![], comm_s.clone(), idle, compute_s + idle + comm_s.values().sum::<f64>())
     };
     Cost {
         stages,
         bubble_s,
         compute_s,
+        comm_whole_s: whole.iter().fold(BTreeMap::new(), |mut acc, ((g, _), c)| {
+            *acc.entry(g.clone()).or_default() += c.seconds;
+            acc
+        }),
         comm_s,
         step_s,
         bubble,
         tokens_per_s: p.tokens_per_step as f64 / step_s.max(1e-12),
         fits: (hw.memory_per_rank > 0.0).then(|| (p.max_peak_bytes() as f64) <= hw.memory_per_rank),
-        tp_in_node: l.tp <= per_node,
+        tp_in_node: !network::link(GroupKind::Tp, l, hw).crosses_nodes,
     }
+}
+
+/// One collective kind of a group over a step: its whole time and its calls.
+#[derive(Clone, Copy, Debug)]
+struct Collective {
+    seconds: f64,
+    calls: f64,
+}
+
+/// What a micro-batch offers to hide communication behind (the stage with the least compute).
+struct Hiding {
+    forward_s: f64,
+    backward_s: f64,
+    /// FSDP units of a stage: its blocks and the global tensors.
+    units: f64,
+    grad_accum: f64,
+    pp: usize,
+    overlap: bool,
+    /// `[hardware] overlap_efficiency`: the share of a collective in flight that moves while
+    /// the rank computes.
+    efficiency: f64,
+    reshard_after_forward: bool,
+}
+
+impl Hiding {
+    /// What stays exposed of `t` seconds of communication in flight over `behind` seconds of
+    /// compute: all but the share that moves while computing, up to the compute's length,
+    /// and `1/units` of it at least (the unit that has nothing to hide behind).
+    fn exposed(&self, t: f64, behind: f64) -> f64 {
+        if t <= 0.0 {
+            return 0.0;
+        }
+        (t - (self.efficiency * t).min(behind)).max(t / self.units)
+    }
+}
+
+/// The exposed seconds per group: what the code does not hide behind compute
+/// (`docs/planning.md`, *Overlap*).
+///
+/// - `fsdp`, `expert_fsdp` (with `[parallel] overlap`): each unit's all-gather is prefetched
+///   while the unit before it computes, so a micro-batch's forward gathers hide behind its
+///   forward; in its backward the gathers again (with `reshard_after_forward`) and the
+///   reduce-scatters, each left in flight over the next unit's backward, share the link and
+///   hide behind the backward. What exceeds the compute is exposed, and the first unit's
+///   gather (the last unit's reduce-scatter) at least. Of the time in flight only
+///   `[hardware] overlap_efficiency` moves while the rank computes (MPI on the host moves a
+///   collective only inside the progress calls between the model's pieces of compute).
+/// - `dp_rep` (with `overlap`): its all-reduce starts unit by unit in the step's last backward
+///   and hides behind it; the last unit's share is exposed at least.
+/// - `pp`: every send is posted before the next action computes; what stays on the pipeline's
+///   critical path is one transfer per stage boundary as it fills and one as it drains,
+///   `2(pp − 1)` messages (the receives are the same transfers).
+/// - Everything else blocks: tensor parallelism's collectives inside each layer, the context
+///   ring (its overlap is part of the probe's `cp_extra_s_per_token`), the experts' all-to-all,
+///   the loss and norm reductions.
+fn exposed(whole: &BTreeMap<(String, String), Collective>, h: &Hiding) -> BTreeMap<String, f64> {
+    let s = |g: &str, k: &str| whole.get(&(g.to_string(), k.to_string())).map_or(0.0, |c| c.seconds);
+    let mut out: BTreeMap<String, f64> = BTreeMap::new();
+    for ((group, kind), c) in whole {
+        *out.entry(group.clone()).or_default() += match (group.as_str(), kind.as_str()) {
+            ("fsdp" | "expert_fsdp", "all_gather" | "reduce_scatter") if h.overlap => 0.0,
+            ("dp_rep", "all_reduce") if h.overlap => h.exposed(c.seconds, h.backward_s),
+            ("pp", "send") => c.seconds.min(2.0 * (h.pp - 1) as f64 * c.seconds / c.calls),
+            ("pp", "recv") => 0.0,
+            _ => c.seconds,
+        };
+    }
+    if h.overlap {
+        for group in ["fsdp", "expert_fsdp"] {
+            let (gather, scatter) = (s(group, "all_gather") / h.grad_accum, s(group, "reduce_scatter") / h.grad_accum);
+            if gather + scatter == 0.0 {
+                continue;
+            }
+            let forward = if h.reshard_after_forward { gather / 2.0 } else { gather };
+            let backward = gather - forward + scatter;
+            *out.entry(group.to_string()).or_default() +=
+                h.grad_accum * (h.exposed(forward, h.forward_s) + h.exposed(backward, h.backward_s));
+        }
+    }
+    out
 }
 
 /// Every valid layout with its plan and cost, best first: layouts that fit in memory and keep
@@ -463,6 +555,7 @@ pub fn command(
     deck_path: &std::path::Path,
     ranks: usize,
     ranks_per_node: Option<usize>,
+    placement: Option<RankPlacement>,
     all_layouts: bool,
     set: &[String],
 ) -> Result<String, String> {
@@ -470,6 +563,9 @@ pub fn command(
     let mut hw = parsed.hardware.clone();
     if let Some(r) = ranks_per_node {
         hw.ranks_per_node = r.max(1);
+    }
+    if let Some(p) = placement {
+        hw.rank_placement = p;
     }
     let peak = if hw.peak_flops_per_rank > 0.0 { hw.peak_flops_per_rank } else { crate::backend::cpu::probe::gemm_flops() };
     if all_layouts {
@@ -493,7 +589,7 @@ pub fn command(
     // Where the job's nodes are known (the option, or the deck's [hardware]), which groups
     // cross them.
     if ranks_per_node.is_some() || hw.ranks_per_node > 1 {
-        for line in crate::run::placement::groups_across_planned_nodes(hw.ranks_per_node, &res.layout) {
+        for line in crate::run::placement::groups_across_planned_nodes(hw.ranks_per_node, hw.rank_placement, &res.layout) {
             out += &format!("{line}\n");
         }
     }
@@ -510,4 +606,59 @@ pub fn command(
         if hw.peak_flops_per_rank > 0.0 { ", [hardware]" } else { ", measured here by the GEMM probe" }
     );
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn whole(entries: &[(&str, &str, f64, f64)]) -> BTreeMap<(String, String), Collective> {
+        entries.iter().map(|&(g, k, seconds, calls)| ((g.to_string(), k.to_string()), Collective { seconds, calls })).collect()
+    }
+
+    fn hiding(efficiency: f64) -> Hiding {
+        Hiding {
+            forward_s: 1.0,
+            backward_s: 2.0,
+            units: 10.0,
+            grad_accum: 2.0,
+            pp: 4,
+            overlap: true,
+            efficiency,
+            reshard_after_forward: true,
+        }
+    }
+
+    /// FSDP's gathers hide behind the forward and, with the reduce-scatters, behind the
+    /// backward, micro-batch by micro-batch; what exceeds the compute, or the share that does
+    /// not move while computing, stays exposed, and one unit's share at least.
+    #[test]
+    fn fsdp_hides_behind_each_pass_up_to_the_compute_and_the_efficiency() {
+        // Per micro-batch: gathers 1.5 s in the forward and 1.5 s in the backward, scatters 1 s.
+        let w = whole(&[("fsdp", "all_gather", 6.0, 36.0), ("fsdp", "reduce_scatter", 2.0, 18.0), ("tp", "all_reduce", 0.7, 64.0)]);
+        let all = exposed(&w, &hiding(1.0));
+        // Forward 1.5 − 1; backward 2.5 − 2; two micro-batches.
+        assert!((all["fsdp"] - 2.0 * (0.5 + 0.5)).abs() < 1e-12, "{all:?}");
+        assert_eq!(all["tp"], 0.7);
+        let half = exposed(&w, &hiding(0.5));
+        assert!((half["fsdp"] - 2.0 * (0.75 + 1.25)).abs() < 1e-12, "{half:?}");
+        let none = exposed(&w, &hiding(0.0));
+        assert!((none["fsdp"] - 8.0).abs() < 1e-12, "{none:?}");
+        // Little to hide: the unit with nothing before it stays exposed.
+        let small = exposed(&whole(&[("fsdp", "all_gather", 0.2, 36.0)]), &hiding(1.0));
+        assert!((small["fsdp"] - 2.0 * 2.0 * 0.05 / 10.0).abs() < 1e-12, "{small:?}");
+        let blocking = exposed(&w, &Hiding { overlap: false, ..hiding(1.0) });
+        assert!((blocking["fsdp"] - 8.0).abs() < 1e-12, "{blocking:?}");
+    }
+
+    /// The pipeline pays one message per stage boundary as it fills and drains, not every
+    /// send; its receives are the same transfers.
+    #[test]
+    fn the_pipeline_exposes_its_fill_and_drain() {
+        let w = whole(&[("pp", "send", 3.2, 32.0), ("pp", "recv", 3.2, 32.0)]);
+        let e = exposed(&w, &hiding(1.0));
+        assert!((e["pp"] - 2.0 * 3.0 * 0.1).abs() < 1e-12, "{e:?}");
+        let two = exposed(&whole(&[("pp", "send", 0.3, 2.0)]), &hiding(1.0));
+        assert_eq!(two["pp"], 0.3);
+    }
 }

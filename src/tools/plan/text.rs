@@ -166,7 +166,8 @@ pub fn time_lines(c: &Cost) -> String {
         );
     }
     for (g, t) in &c.comm_s {
-        let _ = writeln!(s, "  communication {g:<8} {t:>10.4} (exposed)");
+        let whole = c.comm_whole_s.get(g).copied().unwrap_or(0.0);
+        let _ = writeln!(s, "  communication {g:<8} {t:>10.4} exposed of {whole:.4}");
     }
     let _ = writeln!(s, "predicted step time: {:.4} s", c.step_s);
     s
@@ -178,10 +179,15 @@ pub fn describe_ranking(ranked: &[(RankPlan, Cost)], refused: usize, hw: &Hardwa
     let _ = writeln!(
         s,
         "{} valid layouts ({refused} factorisations refused by the deck); cost model: peak {:.3e} FLOP/s per rank, {} ranks per node, \
-         intra-node {:.3e} B/s ({:.3e} B/s summing) + {:.1e} s, inter-node {:.3e} B/s + {:.1e} s per message, no overlap",
+         placed {}, intra-node {:.3e} B/s ({:.3e} B/s summing) + {:.1e} s, inter-node {:.3e} B/s + {:.1e} s per message; \
+         communication exposed beyond what the code overlaps",
         ranked.len(),
         peak_flops,
         hw.ranks_per_node,
+        match hw.rank_placement {
+            crate::config::RankPlacement::Block => "in blocks",
+            crate::config::RankPlacement::Cyclic => "cyclically",
+        },
         hw.intra_node_bandwidth,
         if hw.intra_node_reduce_bandwidth > 0.0 { hw.intra_node_reduce_bandwidth } else { hw.intra_node_bandwidth },
         hw.intra_node_latency,
