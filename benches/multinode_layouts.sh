@@ -99,9 +99,9 @@ EOF
 fi
 
 : > "$OUT/predicted.txt"
-for rate in $(awk '{ print $1 }' "$OUT/measured.txt" | awk '!seen[$0]++'); do
+while read -r rate; do
     predicted "$rate" >> "$OUT/predicted.txt"
-done
+done < <(awk '!seen[$1]++ { print $1 }' "$OUT/measured.txt")
 
 {
     if [ "$REPLAN" = 1 ] && [ -s "$OUT/header.md" ]; then
@@ -132,7 +132,9 @@ rates = list(dict.fromkeys(r for r, _ in measured))
 for rate in rates:
     probe = dict(l.split(" = ") for l in open(f"{sys.argv[3]}/deck_{rate}.toml") if l.startswith(("inter_node_", "intra_node_")))
     print(f"## Links at {rate}\n")
-    print(f"probed: inter-node {float(probe['inter_node_bandwidth']):.3e} B/s per rank + {float(probe['inter_node_latency']):.2e} s, "
+    rates = lambda k: " / ".join(f"{float(probe.get(f'inter_node{k}{c}bandwidth', 'nan')):.3e}" for c in ("_", "_all_reduce_", "_reduce_scatter_"))
+    print(f"probed, per rank, all-gather / all-reduce / reduce-scatter: between nodes one rank per node {rates('')} B/s, "
+          f"every rank {rates('_packed')} B/s, + {float(probe['inter_node_latency']):.2e} s; "
           f"intra-node {float(probe['intra_node_bandwidth']):.3e} B/s + {float(probe['intra_node_latency']):.2e} s\n")
     print("| layout | predicted s/step | measured s/step | error | fsdp exposed, predicted / measured | tp | dp_rep |")
     print("|---|---|---|---|---|---|---|")

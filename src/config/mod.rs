@@ -591,12 +591,19 @@ pub struct HardwareCfg {
     /// The same for collectives that sum what they move (all-reduce, reduce-scatter), bytes/s
     /// (0 = `intra_node_bandwidth`).
     pub intra_node_reduce_bandwidth: f64,
-    /// One rank's share of its node's network bandwidth, bytes/s: all-gathers, sends and the
-    /// all-to-all; the all-reduce's and the reduce-scatter's own (MPI picks another algorithm
-    /// for each) where they are set (0 = `inter_node_bandwidth`).
+    /// One rank's share of its node's network bandwidth in a group with one rank on each node,
+    /// bytes/s: all-gathers, sends and the all-to-all; the all-reduce's and the
+    /// reduce-scatter's own (MPI picks another algorithm for each) where they are set
+    /// (0 = `inter_node_bandwidth`).
     pub inter_node_bandwidth: f64,
     pub inter_node_all_reduce_bandwidth: f64,
     pub inter_node_reduce_scatter_bandwidth: f64,
+    /// The same three in a group that spans nodes with several ranks on a node (FSDP over
+    /// every rank): its ring crosses between nodes on fewer hops than it has ranks, so a rank
+    /// gets more than its share (0 = the one-rank-per-node figure of the same collective).
+    pub inter_node_packed_bandwidth: f64,
+    pub inter_node_packed_all_reduce_bandwidth: f64,
+    pub inter_node_packed_reduce_scatter_bandwidth: f64,
     /// The share of a non-blocking collective's time that moves while the rank computes
     /// (between the progress calls the model makes), measured by the probe; 1 = all of it.
     pub overlap_efficiency: f64,
@@ -654,6 +661,9 @@ impl Default for HardwareCfg {
             inter_node_bandwidth: 12.5e9,
             inter_node_all_reduce_bandwidth: 0.0,
             inter_node_reduce_scatter_bandwidth: 0.0,
+            inter_node_packed_bandwidth: 0.0,
+            inter_node_packed_all_reduce_bandwidth: 0.0,
+            inter_node_packed_reduce_scatter_bandwidth: 0.0,
             overlap_efficiency: 1.0,
             intra_node_latency: 1e-6,
             inter_node_latency: 5e-6,

@@ -9,9 +9,10 @@
 //! backward on one micro-batch (what the GEMMs leave is the attention's and the elementwise
 //! work's time per token and block) and its AdamW step, a triad, and the program's own
 //! all-reduce, all-gather and reduce-scatter over the node for latency and bandwidth. On a job
-//! that spans nodes the same collectives between nodes — over the ranks of equal node-local
-//! rank, all such groups at once, so each rank measures its share of its node's network — give
-//! `inter_node_bandwidth` and `inter_node_latency`.
+//! that spans nodes the same collectives between nodes, called non-blocking as the gradient
+//! reduction and FSDP call them — over the ranks of equal node-local rank, all such groups at
+//! once, so each rank measures its share of its node's network, and over every rank, several
+//! on each node — give the `inter_node_*` and `inter_node_packed_*` keys.
 
 use crate::backend::cpu::attention::{attention_bwd, attention_fwd};
 use crate::backend::cpu::gemm::{linear_bwd, linear_fwd};
@@ -78,6 +79,9 @@ pub struct Calibration {
     /// The same between nodes, over the ranks of equal node-local rank, every such group at
     /// once (so each rank gets its share of its node's network); `None` on one node.
     pub inter_node: Option<[(f64, f64); 3]>,
+    /// The same over every rank of the job, several on each node (`None` on one node or one
+    /// rank per node).
+    pub inter_node_packed: Option<[(f64, f64); 3]>,
     /// What a blocking 8-byte all-reduce costs between compute chunks, beyond the chunks:
     /// the wait for peers that the scheduler has not run yet (0 on one rank).
     pub sync_wait_s: f64,
@@ -121,6 +125,10 @@ impl Calibration {
             // MPI picks its algorithm per collective: each its own rate.
             (h.inter_node_all_reduce_bandwidth, h.inter_node_bandwidth, h.inter_node_reduce_scatter_bandwidth) = (c[0].1, c[1].1, c[2].1);
             h.inter_node_latency = c.iter().map(|x| x.0).fold(0.0, f64::max);
+        }
+        if let Some(c) = &self.inter_node_packed {
+            (h.inter_node_packed_all_reduce_bandwidth, h.inter_node_packed_bandwidth, h.inter_node_packed_reduce_scatter_bandwidth) =
+                (c[0].1, c[1].1, c[2].1);
         }
         if let Some((_, share)) = self.overlap {
             h.overlap_efficiency = share;
@@ -193,17 +201,21 @@ pub fn run_deck(deck_path: &Path, set: &[String]) -> Result<Option<String>, Stri
         let across = world.split("probe_across", node.rank(), world.rank());
         cal.inter_node = world
             .agree(if across.size() == nodes {
-                Ok(collectives(&across))
+                Ok(collectives(&across, Call::NonBlocking))
             } else {
                 Err(format!("probe: the nodes hold different numbers of ranks ({} on this one); give every node the same", node.size()))
             })
             .map(Some)?;
+        // Every rank: a group with several ranks on each node, as FSDP over every rank is.
+        if node.size() > 1 {
+            cal.inter_node_packed = Some(collectives(&world, Call::NonBlocking));
+        }
     }
     if world.size() > 1 {
         cal.overlap = Some(overlap(&world));
     }
     if node.size() > 1 {
-        cal.collectives = Some(collectives(&node));
+        cal.collectives = Some(collectives(&node, Call::Blocking));
         cal.sync_wait_s = sync_wait(&node);
         calibrate_pairs(&world, &deck, &mut cal)?;
     }
@@ -460,10 +472,18 @@ fn calibrate_pairs(world: &Group, deck: &Deck, cal: &mut Calibration) -> Result<
     Ok(())
 }
 
+/// How a collective is called: the node's blocking calls, or the non-blocking ones the gradient
+/// reduction and FSDP's gathers make (between nodes MPI runs other algorithms for them).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Blocking,
+    NonBlocking,
+}
+
 /// Latency and bandwidth of the program's all-reduce, all-gather and reduce-scatter over
-/// `world`: from the median of 30 calls of 8 bytes per rank and of 11 calls of 8 MiB, under the
+/// `world`, called as `call` says: from the median of 30 calls of 8 bytes per rank and of 11 calls of 8 MiB, under the
 /// ring's cost `a·(n−1)·latency + a·(n−1)/n·bytes/bandwidth` (`a` = 2 for the all-reduce).
-fn collectives(world: &Group) -> [(f64, f64); 3] {
+fn collectives(world: &Group, call: Call) -> [(f64, f64); 3] {
     let n = world.size();
     let time = |kind: usize, len: usize, reps: usize| -> f64 {
         let send = vec![1.0f32; len];
@@ -473,10 +493,13 @@ fn collectives(world: &Group) -> [(f64, f64); 3] {
         for _ in 0..reps {
             world.barrier();
             let t = Instant::now();
-            match kind {
-                0 => world.all_reduce_sum_f32(&mut out),
-                1 => world.all_gather_f32(&send, &mut out),
-                _ => world.reduce_scatter_sum_f32(&rs_in, &mut out),
+            match (call, kind) {
+                (Call::Blocking, 0) => world.all_reduce_sum_f32(&mut out),
+                (Call::Blocking, 1) => world.all_gather_f32(&send, &mut out),
+                (Call::Blocking, _) => world.reduce_scatter_sum_f32(&rs_in, &mut out),
+                (Call::NonBlocking, 0) => drop(world.wait(world.start_all_reduce_sum_f32(send.clone(), vec![0.0; len]))),
+                (Call::NonBlocking, 1) => drop(world.wait(world.start_all_gather_f32(send.clone(), vec![0.0; len * n]))),
+                (Call::NonBlocking, _) => drop(world.wait(world.start_reduce_scatter_sum_f32(rs_in.clone(), vec![0.0; len]))),
             }
             times.push(world_max(world, t.elapsed().as_secs_f64()));
         }
@@ -595,8 +618,14 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
     }
     if let Some(c) = &cal.inter_node {
         s += &format!(
-            "between nodes (one rank per node, every node-local rank at once): all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
+            "between nodes, non-blocking (one rank per node, every node-local rank at once): all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
             c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
+        );
+    }
+    if let Some(c) = &cal.inter_node_packed {
+        s += &format!(
+            "between nodes, non-blocking (every rank, {} per node): all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
+            cal.ranks_per_node, c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
         );
     }
     if let Some((t, share)) = cal.overlap {
@@ -627,6 +656,12 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
         s += &format!(
             "inter_node_all_reduce_bandwidth = {:.4e}\ninter_node_reduce_scatter_bandwidth = {:.4e}\n",
             h.inter_node_all_reduce_bandwidth, h.inter_node_reduce_scatter_bandwidth
+        );
+    }
+    if cal.inter_node_packed.is_some() {
+        s += &format!(
+            "inter_node_packed_bandwidth = {:.4e}\ninter_node_packed_all_reduce_bandwidth = {:.4e}\ninter_node_packed_reduce_scatter_bandwidth = {:.4e}\n",
+            h.inter_node_packed_bandwidth, h.inter_node_packed_all_reduce_bandwidth, h.inter_node_packed_reduce_scatter_bandwidth
         );
     }
     if cal.overlap.is_some() {

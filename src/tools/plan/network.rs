@@ -4,15 +4,16 @@
 //! nodes*).
 //!
 //! A group whose members sit on one node uses the intra-node rates; one that spans nodes
-//! the network's, at one rank's share of its node's network (`inter_node_*`, which the probe
-//! measures with every rank of a node communicating at once, as every group of a kind does in
-//! training) and each collective at its own measured rate: MPI picks another algorithm for
-//! each, and on the emulated cluster a ring over 2 nodes of 2 ranks ran no faster per rank
-//! than pairs of ranks across them (`benches/results/multinode_layouts.md`).
+//! the network's, per collective (MPI picks another algorithm for each), as the probe measured
+//! them with the program's own non-blocking calls and every group of a kind communicating at
+//! once: `inter_node_*` for groups with one rank on each node, `inter_node_packed_*` for groups
+//! with several ranks on a node, whose ring crosses between nodes on fewer of its hops (on the
+//! emulated cluster FSDP 4 over 2 nodes moved 1.7–2.5 times a pair's bytes per second:
+//! `benches/results/multinode_layouts.md`).
 
 use crate::config::{HardwareCfg, Layout};
 use crate::parallel::mesh::{Coords, GroupKind};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// The rates of one group kind's collectives on a layout.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -43,27 +44,39 @@ pub fn kind_of(group: &str) -> Option<GroupKind> {
     })
 }
 
-/// The most nodes any group of `kind` spans, with ranks placed as `hw` says.
-pub fn nodes_spanned(kind: GroupKind, l: &Layout, hw: &HardwareCfg) -> usize {
+/// How the groups of a kind sit on the nodes: the most nodes any of them spans, and whether
+/// one that spans nodes holds several ranks on a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub nodes: usize,
+    pub packed: bool,
+}
+
+/// Where the groups of `kind` sit, with ranks placed as `hw` says.
+pub fn span(kind: GroupKind, l: &Layout, hw: &HardwareCfg) -> Span {
     let world = l.world_size();
     let per_node = hw.ranks_per_node.max(1);
     let nodes = world.div_ceil(per_node);
     if nodes <= 1 {
-        return 1;
+        return Span { nodes: 1, packed: false };
     }
-    let mut spanned: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
+    // Per group: its ranks on each node.
+    let mut groups: BTreeMap<usize, BTreeMap<usize, usize>> = BTreeMap::new();
     for rank in 0..world {
         let (color, _) = Coords::of_rank(rank, l).color_key(kind, l);
-        spanned.entry(color).or_default().insert(hw.rank_placement.node_of(rank, per_node, nodes));
+        *groups.entry(color).or_default().entry(hw.rank_placement.node_of(rank, per_node, nodes)).or_default() += 1;
     }
-    spanned.values().map(BTreeSet::len).max().unwrap_or(1)
+    let spanning = || groups.values().filter(|on| on.len() > 1);
+    Span { nodes: groups.values().map(BTreeMap::len).max().unwrap_or(1), packed: spanning().any(|on| on.values().any(|&n| n > 1)) }
 }
 
 /// The rates of `kind`'s collectives on layout `l`: the intra-node link's where every group
 /// of the kind stays in a node, else the network's, one rank's share each (every rank of a node
-/// communicates at once, as the probe measured it), at each collective's own measured rate.
+/// communicates at once, as the probe measured it), at each collective's own measured rate, and
+/// at the rates of groups with several ranks on a node where the kind's groups are so.
 pub fn link(kind: GroupKind, l: &Layout, hw: &HardwareCfg) -> Link {
-    if nodes_spanned(kind, l, hw) <= 1 {
+    let span = span(kind, l, hw);
+    if span.nodes <= 1 {
         let reduce = if hw.intra_node_reduce_bandwidth > 0.0 { hw.intra_node_reduce_bandwidth } else { hw.intra_node_bandwidth };
         return Link {
             bandwidth: hw.intra_node_bandwidth,
@@ -73,14 +86,22 @@ pub fn link(kind: GroupKind, l: &Layout, hw: &HardwareCfg) -> Link {
             crosses_nodes: false,
         };
     }
-    let or_gather = |bw: f64| if bw > 0.0 { bw } else { hw.inter_node_bandwidth };
-    Link {
-        bandwidth: hw.inter_node_bandwidth,
-        all_reduce_bandwidth: or_gather(hw.inter_node_all_reduce_bandwidth),
-        reduce_scatter_bandwidth: or_gather(hw.inter_node_reduce_scatter_bandwidth),
-        latency: hw.inter_node_latency,
-        crosses_nodes: true,
-    }
+    let or = |bw: f64, fallback: f64| if bw > 0.0 { bw } else { fallback };
+    let spread = [
+        hw.inter_node_bandwidth,
+        or(hw.inter_node_all_reduce_bandwidth, hw.inter_node_bandwidth),
+        or(hw.inter_node_reduce_scatter_bandwidth, hw.inter_node_bandwidth),
+    ];
+    let [bandwidth, all_reduce_bandwidth, reduce_scatter_bandwidth] = if span.packed {
+        [
+            or(hw.inter_node_packed_bandwidth, spread[0]),
+            or(hw.inter_node_packed_all_reduce_bandwidth, spread[1]),
+            or(hw.inter_node_packed_reduce_scatter_bandwidth, spread[2]),
+        ]
+    } else {
+        spread
+    };
+    Link { bandwidth, all_reduce_bandwidth, reduce_scatter_bandwidth, latency: hw.inter_node_latency, crosses_nodes: true }
 }
 
 #[cfg(test)]
@@ -116,10 +137,26 @@ mod tests {
         assert_eq!(link(GroupKind::Fsdp, &layout(1, 4, 1), &hw).reduce_scatter_bandwidth, 5e7);
         assert_eq!(link(GroupKind::Fsdp, &layout(1, 4, 1), &hw).all_reduce_bandwidth, 1e8);
         let l = layout(2, 2, 1);
-        assert_eq!(nodes_spanned(GroupKind::DpRep, &l, &hw), 2);
+        assert_eq!(span(GroupKind::DpRep, &l, &hw), Span { nodes: 2, packed: false });
         let fsdp = link(GroupKind::Fsdp, &l, &hw);
         assert!(!fsdp.crosses_nodes);
         assert_eq!(fsdp.bandwidth, 1e9);
+    }
+
+    #[test]
+    fn a_group_with_several_ranks_on_a_node_gets_the_packed_rates_where_they_were_measured() {
+        let hw = HardwareCfg {
+            inter_node_packed_bandwidth: 3e8,
+            inter_node_packed_reduce_scatter_bandwidth: 2e8,
+            ..two_nodes(RankPlacement::Block)
+        };
+        let fsdp4 = layout(1, 4, 1);
+        assert_eq!(span(GroupKind::Fsdp, &fsdp4, &hw), Span { nodes: 2, packed: true });
+        let fsdp = link(GroupKind::Fsdp, &fsdp4, &hw);
+        // The all-reduce was not measured packed: the one-rank-per-node rate stands in.
+        assert_eq!((fsdp.bandwidth, fsdp.reduce_scatter_bandwidth, fsdp.all_reduce_bandwidth), (3e8, 2e8, 1e8));
+        // HSDP's replicas, one per node, keep the spread rates.
+        assert_eq!(link(GroupKind::DpRep, &layout(2, 2, 1), &hw).bandwidth, 1e8);
     }
 
     #[test]
