@@ -57,7 +57,7 @@ fn every_step_runs_under_its_own_timeout_and_the_plan_fits_eight_minutes() {
 }
 
 /// Without a GPU the script prints its plan with the total and stops with exit code 3 before
-/// any check, in well under a second of its own time.
+/// any check: nothing is written to its output folder.
 #[test]
 fn the_dry_run_prints_the_plan_and_stops_before_any_check() {
     let has_gpu = Command::new("nvidia-smi").arg("-L").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).starts_with("GPU "));
@@ -66,15 +66,14 @@ fn the_dry_run_prints_the_plan_and_stops_before_any_check() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let start = std::time::Instant::now();
     let o = Command::new("bash").arg(repo().join("benches/gpu_check.sh")).env("NDTRAIN", bin()).env("OUT", dir.path()).output().unwrap();
-    let took = start.elapsed();
     let log = text(&o);
     assert_eq!(o.status.code(), Some(3), "{log}");
     let total: u64 = plan().iter().map(|(_, s)| s).sum();
     assert!(log.contains(&format!("total {total} s (at most 480 s)")), "{log}");
     assert!(log.contains("gpu-check:") && log.contains("pytorch:"), "{log}");
-    assert!(took.as_secs_f64() < 10.0, "the dry run took {took:?}");
+    let written: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect();
+    assert!(written.is_empty(), "the dry run wrote {written:?}\n{log}");
 }
 
 #[test]

@@ -408,6 +408,14 @@ fn the_probe_measures_the_network_between_nodes() {
         let bandwidth = key(name);
         assert!(bandwidth > 0.0 && bandwidth <= 1.1 * 1.25e8, "{name} = {bandwidth:e}: {report}");
     }
+    // Over every rank (2 per node) part of a collective stays inside the node, but each node
+    // must still take in the other node's half: 2 shards of an all-gather or reduce-scatter
+    // charged as 3 (`(n − 1)/n × 4` shards), one buffer of an all-reduce charged as 1.5 (it
+    // can sum inside the node first). So the rate stays under 1.5 times the link's.
+    for name in ["inter_node_packed_bandwidth", "inter_node_packed_all_reduce_bandwidth", "inter_node_packed_reduce_scatter_bandwidth"] {
+        let bandwidth = key(name);
+        assert!(bandwidth > 0.0 && bandwidth <= 1.5 * 1.1 * 1.25e8, "{name} = {bandwidth:e}: {report}");
+    }
     let latency = key("inter_node_latency");
     assert!(latency > 0.0 && latency.is_finite(), "inter_node_latency = {latency:e}: {report}");
     assert!(key("intra_node_bandwidth") > 0.0, "{report}");

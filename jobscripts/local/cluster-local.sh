@@ -232,7 +232,8 @@ pid_alive() {
   local f=$1 comm=$2 pid
   [ -s "$f" ] || return 1
   pid=$(cat "$f")
-  kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$comm" ]
+  kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$comm" ] \
+    && ! grep -q '^State:[[:space:]]*Z' "/proc/$pid/status" 2>/dev/null   # a killed daemon not yet reaped
 }
 
 stop_pid() {

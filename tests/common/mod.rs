@@ -54,7 +54,15 @@ pub fn tiny_deck() -> PathBuf {
 
 /// Environment for Open MPI in a container: root allowed, idle ranks yield instead of spin.
 pub fn mpi_env(cmd: &mut Command) -> &mut Command {
-    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    // Open MPI 4 keeps every job's session directory under one `ompi.<host>.<uid>` folder of
+    // the temporary directory and removes that folder when a job ends and finds it empty: a job
+    // starting at that moment fails ("A call to mkdir was unable to create the desired
+    // directory", open-mpi/ompi#8510). Each job gets a base folder of its own (Open MPI creates it).
+    static JOBS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let job = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let base = std::env::temp_dir().join("ndtrain-tests-ompi").join(format!("{}-{job}", std::process::id()));
+    cmd.env("OMPI_MCA_orte_tmpdir_base", base)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_mpi_yield_when_idle", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
