@@ -452,6 +452,16 @@ fn the_eta_after_a_resume_follows_this_jobs_pace() {
     assert!((eta - absolute).abs() > 0.051, "ETA at step 14: {eta} s is the absolute step's {absolute} s\n{line}");
 }
 
+/// The run in `out` stopped for a limit `limit_s` into the job, on its own clock (`metrics.csv`'s
+/// `elapsed_s`): its last step ended before the limit, or after it by at most the longest step
+/// (a step that ran longer than every one before it, which the stop rule counts the next step as).
+fn assert_last_step_ends_before(out: &Path, limit_s: f64, context: &str) {
+    let (elapsed, step_s) = (column(out, "elapsed_s"), column(out, "step_s"));
+    let longest = step_s.iter().copied().fold(0.0, f64::max);
+    let last = *elapsed.last().unwrap();
+    assert!(last < limit_s + longest, "the last step ended {last} s into training, the longest step took {longest:.2} s{context}");
+}
+
 /// `[run] max_walltime` shorter than the run: the job checkpoints and exits 75 before the
 /// limit (every step slowed to 150 ms, a limit of 2.5 s from the start), and `resume = "auto"`
 /// finishes it with the losses and the final checkpoint of a run never stopped, bit for bit.
@@ -478,13 +488,7 @@ fn max_walltime_stops_before_the_limit_and_the_resume_is_bitwise() {
         text(&o)
     );
     // The limit counts from each rank's start; mpirun's own start-up and exit come on top.
-    let (elapsed, step_s) = (column(&out, "elapsed_s"), column(&out, "step_s"));
-    let longest = step_s.iter().copied().fold(0.0, f64::max);
-    assert!(
-        *elapsed.last().unwrap() < 2.5 + longest,
-        "the last step ended {:?} s into training; the longest step took {longest:.2} s",
-        elapsed.last()
-    );
+    assert_last_step_ends_before(&out, 2.5, "");
     let mut resume = sets.to_vec();
     resume.push("checkpoint.resume=\"auto\"");
     let resumed = train(d, "limited", Some(2), &resume);
@@ -533,13 +537,7 @@ fn the_batch_jobs_own_time_limit_stops_the_run_before_it() {
     // The limit counts from each rank's start, on its own clock: the steps ended before it,
     // unless the last ran longer than every one before it, by at most that step (mpirun's
     // start-up and exit, slow on a loaded machine, come on top of the wall time).
-    let (elapsed, step_s) = (column(&out, "elapsed_s"), column(&out, "step_s"));
-    let longest = step_s.iter().copied().fold(0.0, f64::max);
-    assert!(
-        *elapsed.last().unwrap() < 3.0 + longest,
-        "the last step ended {:?} s into training, the longest step took {longest:.2} s ({took:.2} s of wall time)",
-        elapsed.last()
-    );
+    assert_last_step_ends_before(&out, 3.0, &format!(" ({took:.2} s of wall time)"));
     assert_eq!(std::fs::read_to_string(&asked).unwrap(), "-f 4242.pbs\n", "asked once, by rank 0");
     assert_eq!(t.matches("take longer than the scheduler's stop-signal lead time ([run] signal_lead_time = 0.05 s)").count(), 1, "{t}");
 

@@ -592,6 +592,15 @@ fn sync_wait(world: &Group) -> f64 {
     (median(&with) - median(&without)).max(0.0)
 }
 
+/// Latency and bandwidth of the all-reduce, all-gather and reduce-scatter, as [`collectives`]
+/// returns them, in one line.
+fn collectives_line(c: &[(f64, f64); 3]) -> String {
+    format!(
+        "all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s",
+        c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
+    )
+}
+
 /// The report rank 0 prints: what was measured, then the `[hardware]` table.
 fn describe(cal: &Calibration, deck: &Path) -> String {
     let mut s = format!(
@@ -610,23 +619,14 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
     }
     s += &format!("model, one micro-batch on each rank: forward + backward {:.4} s, AdamW {:.4} s\n", cal.model_fb_s, cal.model_opt_s);
     if let Some(c) = &cal.collectives {
-        s += &format!(
-            "all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
-            c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
-        );
+        s += &format!("{}\n", collectives_line(c));
         s += &format!("a blocking all-reduce between compute chunks waits {:.2e} s\n", cal.sync_wait_s);
     }
     if let Some(c) = &cal.inter_node {
-        s += &format!(
-            "between nodes, non-blocking (one rank per node, every node-local rank at once): all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
-            c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
-        );
+        s += &format!("between nodes, non-blocking (one rank per node, every node-local rank at once): {}\n", collectives_line(c));
     }
     if let Some(c) = &cal.inter_node_packed {
-        s += &format!(
-            "between nodes, non-blocking (every rank, {} per node): all-reduce {:.2e} s + {:.3e} B/s, all-gather {:.2e} s + {:.3e} B/s, reduce-scatter {:.2e} s + {:.3e} B/s\n",
-            cal.ranks_per_node, c[0].0, c[0].1, c[1].0, c[1].1, c[2].0, c[2].1
-        );
+        s += &format!("between nodes, non-blocking (every rank, {} per node): {}\n", cal.ranks_per_node, collectives_line(c));
     }
     if let Some((t, share)) = cal.overlap {
         s += &format!(

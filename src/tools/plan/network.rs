@@ -66,8 +66,10 @@ pub fn span(kind: GroupKind, l: &Layout, hw: &HardwareCfg) -> Span {
         let (color, _) = Coords::of_rank(rank, l).color_key(kind, l);
         *groups.entry(color).or_default().entry(hw.rank_placement.node_of(rank, per_node, nodes)).or_default() += 1;
     }
-    let spanning = || groups.values().filter(|on| on.len() > 1);
-    Span { nodes: groups.values().map(BTreeMap::len).max().unwrap_or(1), packed: spanning().any(|on| on.values().any(|&n| n > 1)) }
+    Span {
+        nodes: groups.values().map(BTreeMap::len).max().unwrap_or(1),
+        packed: groups.values().any(|on| on.len() > 1 && on.values().any(|&n| n > 1)),
+    }
 }
 
 /// The rates of `kind`'s collectives on layout `l`: the intra-node link's where every group
