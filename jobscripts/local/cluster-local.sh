@@ -318,6 +318,8 @@ cmd_start() {
   done
   [ "$n" -le 200 ] || die "start $n: at most 200 hosts on $SUBNET.0/24"
   need ip nsenter unshare tc flock mount sysctl
+  # Every host has a /tmp and /dev/shm of its own: a launch agent or binary there is not on the others.
+  case "$SELF" in /tmp/* | /dev/shm/*) die "this checkout ($(dirname "$SELF")) is under /tmp or /dev/shm, which each emulated host has its own of: clone it elsewhere" ;; esac
   if [ "$(running_hosts)" = "$n" ] && [ "$(wc -l < "$DIR/hosts.list")" = "$n" ] \
      && ip link show "$BRIDGE" >/dev/null 2>&1; then
     log "$n hosts already running"
