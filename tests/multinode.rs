@@ -404,7 +404,12 @@ fn the_probe_measures_the_network_between_nodes() {
         line.split(" = ").nth(1).unwrap().trim().parse().unwrap()
     };
     // 1 Gbit/s is 1.25e8 bytes/s, shared by the node's 2 ranks; 10 % for the shaper's burst.
-    for name in ["inter_node_bandwidth", "inter_node_all_reduce_bandwidth", "inter_node_reduce_scatter_bandwidth"] {
+    for name in [
+        "inter_node_bandwidth",
+        "inter_node_all_reduce_bandwidth",
+        "inter_node_reduce_scatter_bandwidth",
+        "inter_node_blocking_all_reduce_bandwidth",
+    ] {
         let bandwidth = key(name);
         assert!(bandwidth > 0.0 && bandwidth <= 1.1 * 1.25e8, "{name} = {bandwidth:e}: {report}");
     }

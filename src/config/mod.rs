@@ -598,6 +598,10 @@ pub struct HardwareCfg {
     pub inter_node_bandwidth: f64,
     pub inter_node_all_reduce_bandwidth: f64,
     pub inter_node_reduce_scatter_bandwidth: f64,
+    /// The all-reduce called blocking, as tensor parallelism and the step's small reductions
+    /// call it, one rank on each node: MPI runs other algorithms for blocking and non-blocking
+    /// collectives between nodes (0 = `inter_node_all_reduce_bandwidth`).
+    pub inter_node_blocking_all_reduce_bandwidth: f64,
     /// The same three in a group that spans nodes with several ranks on a node (FSDP over
     /// every rank): its ring crosses between nodes on fewer hops than it has ranks, so a rank
     /// gets more than its share (0 = the one-rank-per-node figure of the same collective).
@@ -661,6 +665,7 @@ impl Default for HardwareCfg {
             inter_node_bandwidth: 12.5e9,
             inter_node_all_reduce_bandwidth: 0.0,
             inter_node_reduce_scatter_bandwidth: 0.0,
+            inter_node_blocking_all_reduce_bandwidth: 0.0,
             inter_node_packed_bandwidth: 0.0,
             inter_node_packed_all_reduce_bandwidth: 0.0,
             inter_node_packed_reduce_scatter_bandwidth: 0.0,

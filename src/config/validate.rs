@@ -169,6 +169,7 @@ impl Deck {
             ("inter_node_bandwidth", h.inter_node_bandwidth),
             ("inter_node_all_reduce_bandwidth", h.inter_node_all_reduce_bandwidth),
             ("inter_node_reduce_scatter_bandwidth", h.inter_node_reduce_scatter_bandwidth),
+            ("inter_node_blocking_all_reduce_bandwidth", h.inter_node_blocking_all_reduce_bandwidth),
             ("inter_node_packed_bandwidth", h.inter_node_packed_bandwidth),
             ("inter_node_packed_all_reduce_bandwidth", h.inter_node_packed_all_reduce_bandwidth),
             ("inter_node_packed_reduce_scatter_bandwidth", h.inter_node_packed_reduce_scatter_bandwidth),

@@ -12,7 +12,8 @@
 //! that spans nodes the same collectives between nodes, called non-blocking as the gradient
 //! reduction and FSDP call them — over the ranks of equal node-local rank, all such groups at
 //! once, so each rank measures its share of its node's network, and over every rank, several
-//! on each node — give the `inter_node_*` and `inter_node_packed_*` keys.
+//! on each node — and the blocking all-reduce tensor parallelism calls, give the
+//! `inter_node_*` and `inter_node_packed_*` keys.
 
 use crate::backend::cpu::attention::{attention_bwd, attention_fwd};
 use crate::backend::cpu::gemm::{linear_bwd, linear_fwd};
@@ -79,6 +80,9 @@ pub struct Calibration {
     /// The same between nodes, over the ranks of equal node-local rank, every such group at
     /// once (so each rank gets its share of its node's network); `None` on one node.
     pub inter_node: Option<[(f64, f64); 3]>,
+    /// The all-reduce between the same groups called blocking, as tensor parallelism calls it,
+    /// on one of its activations.
+    pub inter_node_blocking_all_reduce: Option<(f64, f64)>,
     /// The same over every rank of the job, several on each node (`None` on one node or one
     /// rank per node).
     pub inter_node_packed: Option<[(f64, f64); 3]>,
@@ -125,6 +129,9 @@ impl Calibration {
             // MPI picks its algorithm per collective: each its own rate.
             (h.inter_node_all_reduce_bandwidth, h.inter_node_bandwidth, h.inter_node_reduce_scatter_bandwidth) = (c[0].1, c[1].1, c[2].1);
             h.inter_node_latency = c.iter().map(|x| x.0).fold(0.0, f64::max);
+        }
+        if let Some((_, bandwidth)) = self.inter_node_blocking_all_reduce {
+            h.inter_node_blocking_all_reduce_bandwidth = bandwidth;
         }
         if let Some(c) = &self.inter_node_packed {
             (h.inter_node_packed_all_reduce_bandwidth, h.inter_node_packed_bandwidth, h.inter_node_packed_reduce_scatter_bandwidth) =
@@ -199,23 +206,28 @@ pub fn run_deck(deck_path: &Path, set: &[String]) -> Result<Option<String>, Stri
         // Ranks of equal node-local rank, one per node: what a data-parallel axis across nodes
         // is, every node's ranks sending at once.
         let across = world.split("probe_across", node.rank(), world.rank());
-        cal.inter_node = world
-            .agree(if across.size() == nodes {
-                Ok(collectives(&across, Call::NonBlocking))
-            } else {
-                Err(format!("probe: the nodes hold different numbers of ranks ({} on this one); give every node the same", node.size()))
-            })
-            .map(Some)?;
+        // Tensor parallelism's all-reduce moves one `[tokens, d_model]` activation per call
+        // (at least 1 MiB, so that the bytes and not the latency set the time). Its groups
+        // call it between their own compute, each at its own pace, so each group's calls
+        // start at its own barrier; the non-blocking calls of FSDP and the bucketed gradient
+        // reduction start at the end of the same backward on every rank, together.
+        let tp_len = (deck.train.micro_batch * deck.train.seq_len * deck.model.d_model).max(1 << 18);
+        let (spread, blocking) = world.agree(if across.size() == nodes {
+            Ok((collectives(&across, &world, Call::NonBlocking), collective(&across, &across, Call::Blocking, 0, tp_len)))
+        } else {
+            Err(format!("probe: the nodes hold different numbers of ranks ({} on this one); give every node the same", node.size()))
+        })?;
+        (cal.inter_node, cal.inter_node_blocking_all_reduce) = (Some(spread), Some(blocking));
         // Every rank: a group with several ranks on each node, as FSDP over every rank is.
         if node.size() > 1 {
-            cal.inter_node_packed = Some(collectives(&world, Call::NonBlocking));
+            cal.inter_node_packed = Some(collectives(&world, &world, Call::NonBlocking));
         }
     }
     if world.size() > 1 {
         cal.overlap = Some(overlap(&world));
     }
     if node.size() > 1 {
-        cal.collectives = Some(collectives(&node, Call::Blocking));
+        cal.collectives = Some(collectives(&node, &node, Call::Blocking));
         cal.sync_wait_s = sync_wait(&node);
         calibrate_pairs(&world, &deck, &mut cal)?;
     }
@@ -481,42 +493,51 @@ enum Call {
 }
 
 /// Latency and bandwidth of the program's all-reduce, all-gather and reduce-scatter over
-/// `world`, called as `call` says: from the median of 30 calls of 8 bytes per rank and of 11 calls of 8 MiB, under the
-/// ring's cost `a·(n−1)·latency + a·(n−1)/n·bytes/bandwidth` (`a` = 2 for the all-reduce).
-fn collectives(world: &Group, call: Call) -> [(f64, f64); 3] {
-    let n = world.size();
-    let time = |kind: usize, len: usize, reps: usize| -> f64 {
-        let send = vec![1.0f32; len];
-        let mut out = vec![0.0f32; if kind == 1 { len * n } else { len }];
-        let rs_in = vec![1.0f32; len * n];
+/// `group`, called as `call` says ([`collective`]).
+fn collectives(group: &Group, sync: &Group, call: Call) -> [(f64, f64); 3] {
+    [0usize, 1, 2].map(|kind| collective(group, sync, call, kind, 2 << 20))
+}
+
+/// Latency and bandwidth of one collective over `group` (`kind` 0: all-reduce, 1: all-gather,
+/// 2: reduce-scatter), called as `call` says: from the median of 30 calls of 8 bytes per rank
+/// and of 11 calls of `len` floats (MPI picks its algorithm by the size too), under the ring's
+/// cost `a·(n−1)·latency + a·(n−1)/n·bytes/bandwidth` (`a` = 2 for the all-reduce). Every rank of `sync` starts each call together, and the
+/// slowest of them sets its time: the whole job for the non-blocking calls between nodes,
+/// which training starts on every rank at the end of the same backward. Timed between its own
+/// barriers, each pair of such an all-reduce drifts into the other half of Open MPI's
+/// reduce-then-broadcast from the other pairs, and the link carries one direction for each:
+/// twice the rate the bucketed all-reduce gets in training.
+fn collective(group: &Group, sync: &Group, call: Call, kind: usize, len: usize) -> (f64, f64) {
+    let n = group.size();
+    let time = |count: usize, reps: usize| -> f64 {
+        let send = vec![1.0f32; count];
+        let mut out = vec![0.0f32; if kind == 1 { count * n } else { count }];
+        let rs_in = vec![1.0f32; count * n];
         let mut times = vec![];
         for _ in 0..reps {
-            world.barrier();
+            sync.barrier();
             let t = Instant::now();
             match (call, kind) {
-                (Call::Blocking, 0) => world.all_reduce_sum_f32(&mut out),
-                (Call::Blocking, 1) => world.all_gather_f32(&send, &mut out),
-                (Call::Blocking, _) => world.reduce_scatter_sum_f32(&rs_in, &mut out),
-                (Call::NonBlocking, 0) => drop(world.wait(world.start_all_reduce_sum_f32(send.clone(), vec![0.0; len]))),
-                (Call::NonBlocking, 1) => drop(world.wait(world.start_all_gather_f32(send.clone(), vec![0.0; len * n]))),
-                (Call::NonBlocking, _) => drop(world.wait(world.start_reduce_scatter_sum_f32(rs_in.clone(), vec![0.0; len]))),
+                (Call::Blocking, 0) => group.all_reduce_sum_f32(&mut out),
+                (Call::Blocking, 1) => group.all_gather_f32(&send, &mut out),
+                (Call::Blocking, _) => group.reduce_scatter_sum_f32(&rs_in, &mut out),
+                (Call::NonBlocking, 0) => drop(group.wait(group.start_all_reduce_sum_f32(send.clone(), vec![0.0; count]))),
+                (Call::NonBlocking, 1) => drop(group.wait(group.start_all_gather_f32(send.clone(), vec![0.0; count * n]))),
+                (Call::NonBlocking, _) => drop(group.wait(group.start_reduce_scatter_sum_f32(rs_in.clone(), vec![0.0; count]))),
             }
-            times.push(world_max(world, t.elapsed().as_secs_f64()));
+            times.push(world_max(sync, t.elapsed().as_secs_f64()));
         }
         median(&times)
     };
-    let big = 2 << 20;
-    [0usize, 1, 2].map(|kind| {
-        let a = if kind == 0 { 2.0 } else { 1.0 };
-        let steps = a * (n - 1) as f64;
-        let small = time(kind, 2, 30);
-        let latency = small / steps;
-        // The bytes a ring moves per rank: the whole buffer's (n−1)/n, `a` times.
-        let buffer = 4.0 * (if kind == 0 { big } else { big * n }) as f64;
-        let large = time(kind, big, 11);
-        let bandwidth = steps / n as f64 * buffer / (large - small).max(1e-9);
-        (latency, bandwidth)
-    })
+    let a = if kind == 0 { 2.0 } else { 1.0 };
+    let steps = a * (n - 1) as f64;
+    let small = time(2, 30);
+    let latency = small / steps;
+    // The bytes a ring moves per rank: the whole buffer's (n−1)/n, `a` times.
+    let buffer = 4.0 * (if kind == 0 { len } else { len * n }) as f64;
+    let large = time(len, 11);
+    let bandwidth = steps / n as f64 * buffer / (large - small).max(1e-9);
+    (latency, bandwidth)
 }
 
 /// How much of a non-blocking collective moves while the ranks compute, as FSDP's prefetch
@@ -625,6 +646,9 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
     if let Some(c) = &cal.inter_node {
         s += &format!("between nodes, non-blocking (one rank per node, every node-local rank at once): {}\n", collectives_line(c));
     }
+    if let Some((latency, bandwidth)) = cal.inter_node_blocking_all_reduce {
+        s += &format!("between nodes, blocking, one activation (one rank per node, each group at its own pace): all-reduce {latency:.2e} s + {bandwidth:.3e} B/s\n");
+    }
     if let Some(c) = &cal.inter_node_packed {
         s += &format!("between nodes, non-blocking (every rank, {} per node): {}\n", cal.ranks_per_node, collectives_line(c));
     }
@@ -657,6 +681,9 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
             "inter_node_all_reduce_bandwidth = {:.4e}\ninter_node_reduce_scatter_bandwidth = {:.4e}\n",
             h.inter_node_all_reduce_bandwidth, h.inter_node_reduce_scatter_bandwidth
         );
+    }
+    if cal.inter_node_blocking_all_reduce.is_some() {
+        s += &format!("inter_node_blocking_all_reduce_bandwidth = {:.4e}\n", h.inter_node_blocking_all_reduce_bandwidth);
     }
     if cal.inter_node_packed.is_some() {
         s += &format!(

@@ -371,7 +371,9 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
             None => network::link(GroupKind::Batch, l, hw),
         });
         let bw = match kind {
-            "all_reduce" => link.all_reduce_bandwidth,
+            // FSDP's and the replicas' reductions are started non-blocking; the rest block.
+            "all_reduce" if matches!(group, "dp_rep" | "fsdp" | "expert_fsdp") => link.all_reduce_bandwidth,
+            "all_reduce" => link.blocking_all_reduce_bandwidth,
             "reduce_scatter" => link.reduce_scatter_bandwidth,
             _ => link.bandwidth,
         };

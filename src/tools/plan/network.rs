@@ -6,7 +6,7 @@
 //! A group whose members sit on one node uses the intra-node rates; one that spans nodes
 //! the network's, per collective (MPI picks another algorithm for each), as the probe measured
 //! them with the program's own non-blocking calls and every group of a kind communicating at
-//! once: `inter_node_*` for groups with one rank on each node, `inter_node_packed_*` for groups
+//! once, and the blocking all-reduce tensor parallelism calls on its own: `inter_node_*` for groups with one rank on each node, `inter_node_packed_*` for groups
 //! with several ranks on a node, whose ring crosses between nodes on fewer of its hops (on the
 //! emulated cluster FSDP 4 over 2 nodes moved 1.7–2.5 times a pair's bytes per second:
 //! `benches/results/multinode_layouts.md`).
@@ -23,6 +23,10 @@ pub struct Link {
     pub bandwidth: f64,
     pub all_reduce_bandwidth: f64,
     pub reduce_scatter_bandwidth: f64,
+    /// The all-reduce called blocking (tensor parallelism's, the step's small reductions);
+    /// the fields above are the non-blocking calls' rates, as FSDP and the bucketed gradient
+    /// all-reduce make them.
+    pub blocking_all_reduce_bandwidth: f64,
     /// Seconds per hop of a message.
     pub latency: f64,
     /// Some hop of the group's ring runs between nodes.
@@ -84,6 +88,7 @@ pub fn link(kind: GroupKind, l: &Layout, hw: &HardwareCfg) -> Link {
             bandwidth: hw.intra_node_bandwidth,
             all_reduce_bandwidth: reduce,
             reduce_scatter_bandwidth: reduce,
+            blocking_all_reduce_bandwidth: reduce,
             latency: hw.intra_node_latency,
             crosses_nodes: false,
         };
@@ -103,7 +108,18 @@ pub fn link(kind: GroupKind, l: &Layout, hw: &HardwareCfg) -> Link {
     } else {
         spread
     };
-    Link { bandwidth, all_reduce_bandwidth, reduce_scatter_bandwidth, latency: hw.inter_node_latency, crosses_nodes: true }
+    // Measured one rank per node only: a packed group's blocking all-reduce takes the packed
+    // non-blocking rate.
+    let blocking_all_reduce_bandwidth =
+        if span.packed { all_reduce_bandwidth } else { or(hw.inter_node_blocking_all_reduce_bandwidth, all_reduce_bandwidth) };
+    Link {
+        bandwidth,
+        all_reduce_bandwidth,
+        reduce_scatter_bandwidth,
+        blocking_all_reduce_bandwidth,
+        latency: hw.inter_node_latency,
+        crosses_nodes: true,
+    }
 }
 
 #[cfg(test)]
@@ -171,6 +187,24 @@ mod tests {
         assert!(tp.crosses_nodes);
         assert_eq!(tp.bandwidth, 1e8);
         assert!(!link(GroupKind::DpRep, &l, &hw).crosses_nodes);
+    }
+
+    #[test]
+    fn the_blocking_all_reduce_has_its_own_rate_one_rank_per_node() {
+        let hw = HardwareCfg {
+            inter_node_all_reduce_bandwidth: 4e7,
+            inter_node_blocking_all_reduce_bandwidth: 9e7,
+            inter_node_packed_all_reduce_bandwidth: 2e8,
+            ..two_nodes(RankPlacement::Cyclic)
+        };
+        let tp = link(GroupKind::Tp, &layout(2, 1, 2), &hw);
+        assert_eq!((tp.all_reduce_bandwidth, tp.blocking_all_reduce_bandwidth), (4e7, 9e7));
+        // Unset, it is the non-blocking one's.
+        let unset = HardwareCfg { inter_node_blocking_all_reduce_bandwidth: 0.0, ..hw.clone() };
+        assert_eq!(link(GroupKind::Tp, &layout(2, 1, 2), &unset).blocking_all_reduce_bandwidth, 4e7);
+        // A packed group was measured non-blocking only.
+        let fsdp = link(GroupKind::Fsdp, &layout(1, 4, 1), &HardwareCfg { rank_placement: RankPlacement::Block, ..hw });
+        assert_eq!(fsdp.blocking_all_reduce_bandwidth, 2e8);
     }
 
     #[test]
