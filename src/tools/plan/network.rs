@@ -6,9 +6,10 @@
 //! A group whose members sit on one node uses the intra-node rates; one that spans nodes
 //! the network's, per collective (MPI picks another algorithm for each), as the probe measured
 //! them with the program's own non-blocking calls and every group of a kind communicating at
-//! once, and the blocking all-reduce tensor parallelism calls on its own: `inter_node_*` for groups with one rank on each node, `inter_node_packed_*` for groups
-//! with several ranks on a node, whose ring crosses between nodes on fewer of its hops (on the
-//! emulated cluster FSDP 4 over 2 nodes moved 1.7–2.5 times a pair's bytes per second:
+//! once, and the blocking all-reduce tensor parallelism calls on its own: `inter_node_*` for
+//! groups with one rank on each node, `inter_node_packed_*` for groups with several ranks on a
+//! node, whose ring crosses between nodes on fewer of its hops (on the emulated cluster FSDP 4
+//! over 2 nodes moved 1.1–5.6 times a pair's bytes per second, by collective:
 //! `benches/results/multinode_layouts.md`).
 
 use crate::config::{HardwareCfg, Layout};
