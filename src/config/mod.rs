@@ -611,6 +611,10 @@ pub struct HardwareCfg {
     /// The share of a non-blocking collective's time that moves while the rank computes
     /// (between the progress calls the model makes), measured by the probe; 1 = all of it.
     pub overlap_efficiency: f64,
+    /// The same share for FSDP's prefetched all-gathers and reduce-scatters, several in flight
+    /// through a micro-batch, which the probe measures on FSDP's own run over every rank
+    /// (negative = `overlap_efficiency`).
+    pub fsdp_overlap_efficiency: f64,
     /// Latency of one message inside a node, seconds.
     pub intra_node_latency: f64,
     /// Latency of one message between nodes, seconds.
@@ -670,6 +674,7 @@ impl Default for HardwareCfg {
             inter_node_packed_all_reduce_bandwidth: 0.0,
             inter_node_packed_reduce_scatter_bandwidth: 0.0,
             overlap_efficiency: 1.0,
+            fsdp_overlap_efficiency: -1.0,
             intra_node_latency: 1e-6,
             inter_node_latency: 5e-6,
             cores_per_node: 0,

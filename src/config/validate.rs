@@ -196,6 +196,12 @@ impl Deck {
         need(h.overlap_efficiency.is_finite() && (0.0..=1.0).contains(&h.overlap_efficiency), || {
             err(format!("[hardware] overlap_efficiency({}) must be between 0 and 1", h.overlap_efficiency))
         })?;
+        need(h.fsdp_overlap_efficiency < 0.0 || h.fsdp_overlap_efficiency <= 1.0, || {
+            err(format!(
+                "[hardware] fsdp_overlap_efficiency({}) must be between 0 and 1 (negative: overlap_efficiency)",
+                h.fsdp_overlap_efficiency
+            ))
+        })?;
         need(h.intra_node_bandwidth > 0.0 && h.inter_node_bandwidth > 0.0, || {
             err(format!(
                 "[hardware] intra_node_bandwidth({:e}) and inter_node_bandwidth({:e}) must be > 0 bytes/s",

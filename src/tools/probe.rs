@@ -103,6 +103,22 @@ pub struct Calibration {
     /// A non-blocking all-gather over every rank beside compute: `[alone s, compute s, both s]`
     /// and the share of it that moved while computing (`None` on one rank).
     pub overlap: Option<([f64; 3], f64)>,
+    /// The real model's FSDP over every rank (`None` on one rank).
+    pub fsdp_overlap: Option<FsdpOverlap>,
+}
+
+/// What the real model's FSDP over every rank of the job left exposed of its collectives, per
+/// step, and the share of their time in flight that moved while computing which makes `plan`
+/// predict the same.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FsdpOverlap {
+    /// Seconds per step the ranks were blocked in FSDP's gathers and reduce-scatters: the
+    /// mean over ranks, the median of the steps.
+    pub measured_s: f64,
+    /// `plan`'s exposed seconds with none of it hidden, and with all of it that can be.
+    pub unhidden_s: f64,
+    pub hidden_s: f64,
+    pub share: f64,
 }
 
 impl Calibration {
@@ -139,6 +155,9 @@ impl Calibration {
         }
         if let Some((_, share)) = self.overlap {
             h.overlap_efficiency = share;
+        }
+        if let Some(f) = self.fsdp_overlap {
+            h.fsdp_overlap_efficiency = f.share;
         }
         if let Some(c) = &self.collectives {
             // Moving bytes (the all-gather) and moving and summing them (the others) differ by
@@ -230,6 +249,9 @@ pub fn run_deck(deck_path: &Path, set: &[String]) -> Result<Option<String>, Stri
         cal.collectives = Some(collectives(&node, &node, Call::Blocking));
         cal.sync_wait_s = sync_wait(&node);
         calibrate_pairs(&world, &deck, &mut cal)?;
+    }
+    if world.size() > 1 {
+        cal.fsdp_overlap = Some(calibrate_fsdp_overlap(&world, &deck, &cal)?);
     }
     // The groups are freed before `rt` finalises MPI (locals drop in reverse order).
     Ok((world.rank() == 0).then(|| describe(&cal, deck_path)))
@@ -484,6 +506,66 @@ fn calibrate_pairs(world: &Group, deck: &Deck, cal: &mut Calibration) -> Result<
     Ok(())
 }
 
+/// Runs the real model with FSDP over every rank of the job (across nodes where it spans
+/// them), one micro-batch per rank, for 4 steps, and returns what its gathers and
+/// reduce-scatters left exposed, as the timing log counts it (the seconds blocked in them),
+/// against `plan`'s exposed seconds for the same layout under the rest of the calibration
+/// `cal`: the share of the time in flight that moves while computing is the one at which
+/// `plan` predicts the measured seconds (bisected; 0 when even none hidden predicts less, 1
+/// when all of it predicts more). FSDP keeps a prefetched gather and a reduce-scatter in
+/// flight through each unit's compute and MPI moves them only in the progress calls between
+/// the model's pieces: how much moves depends on the link, the MPI and the model's cadence
+/// together, which a lone collective beside other compute does not show.
+fn calibrate_fsdp_overlap(world: &Group, deck: &Deck, cal: &Calibration) -> Result<FsdpOverlap, String> {
+    let n = world.size();
+    let mut d = deck.clone();
+    let p = &mut d.parallel;
+    (p.pp, p.pp_virtual, p.pp_layers, p.tp, p.cp, p.dp_replicate, p.dp_shard) = (1, 1, vec![], 1, 1, 1, n as i64);
+    (d.train.global_batch, d.train.grad_accum) = (d.train.micro_batch * n, 0);
+    d.run.steps = d.run.steps.max(4);
+    d.hardware = cal.hardware();
+    let res = world.agree(d.resolve(n).map_err(|e| format!("probe: FSDP over every rank: {e}")))?;
+    let mesh = Mesh::new(world.split("probe_fsdp", 0, world.rank()), res.layout);
+    let be = Cpu { precision: res.deck.train.precision, staged: false };
+    let mut trainer = world.agree(Trainer::seeded(be, MeshCollectives::host(&mesh), &res, &mesh).map_err(|e| e.to_string()))?;
+    let mut per_step = vec![];
+    for step in 0..4u64 {
+        world.agree(trainer.step(step).map(|_| ()).map_err(|e| format!("probe: the model's step on FSDP {n} failed: {e}")))?;
+        let blocked: f64 =
+            mesh.fsdp.take_counts().iter().filter(|(k, _)| matches!(**k, "all_gather" | "reduce_scatter")).map(|(_, c)| c.seconds).sum();
+        if step > 0 {
+            let mut sum = [blocked];
+            world.all_reduce_sum_f64(&mut sum);
+            per_step.push(sum[0] / n as f64);
+        }
+    }
+    let plan = crate::tools::plan::plan(&res);
+    let predicted = |share: f64| {
+        let hw = HardwareCfg { fsdp_overlap_efficiency: share, ..res.deck.hardware.clone() };
+        let c = crate::tools::plan::cost(&plan, &res.deck, &hw, hw.peak_flops_per_rank);
+        c.comm_s.get("fsdp").copied().unwrap_or(0.0)
+    };
+    let measured_s = median(&per_step);
+    let (unhidden_s, hidden_s) = (predicted(0.0), predicted(1.0));
+    let share = if measured_s >= unhidden_s {
+        0.0
+    } else if measured_s <= hidden_s {
+        1.0
+    } else {
+        let (mut lo, mut hi) = (0.0, 1.0);
+        for _ in 0..40 {
+            let mid = 0.5 * (lo + hi);
+            if predicted(mid) > measured_s {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        0.5 * (lo + hi)
+    };
+    Ok(FsdpOverlap { measured_s, unhidden_s, hidden_s, share })
+}
+
 /// How a collective is called: the node's blocking calls, or the non-blocking ones the gradient
 /// reduction and FSDP's gathers make (between nodes MPI runs other algorithms for them).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -661,6 +743,16 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
             100.0 * share
         );
     }
+    if let Some(f) = cal.fsdp_overlap {
+        s += &format!(
+            "FSDP {} over every rank, the real model: {:.4} s per step blocked in its gathers and reduce-scatters; plan {:.4} s with none of them hidden, {:.4} s with all that can be: {:.0} % of the time in flight moved while computing\n",
+            cal.ranks_per_node * cal.nodes,
+            f.measured_s,
+            f.unhidden_s,
+            f.hidden_s,
+            100.0 * f.share
+        );
+    }
     for (axis, measured, predicted) in &cal.pairs {
         s += &format!("{axis} 2 on pairs of ranks, one micro-batch: {measured:.4} s measured, {predicted:.4} s by the model without it\n");
     }
@@ -693,6 +785,9 @@ fn describe(cal: &Calibration, deck: &Path) -> String {
     }
     if cal.overlap.is_some() {
         s += &format!("overlap_efficiency = {:.4}\n", h.overlap_efficiency);
+    }
+    if cal.fsdp_overlap.is_some() {
+        s += &format!("fsdp_overlap_efficiency = {:.4}\n", h.fsdp_overlap_efficiency);
     }
     if cal.collectives.is_some() {
         s += &format!(

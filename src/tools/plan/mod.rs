@@ -411,6 +411,7 @@ pub fn cost(p: &RankPlan, deck: &Deck, hw: &HardwareCfg, peak_flops: f64) -> Cos
         pp: l.pp,
         overlap: deck.parallel.overlap,
         efficiency: hw.overlap_efficiency,
+        fsdp_efficiency: if hw.fsdp_overlap_efficiency < 0.0 { hw.overlap_efficiency } else { hw.fsdp_overlap_efficiency },
         reshard_after_forward: deck.parallel.reshard_after_forward,
     };
     let comm_s_of = |micro_batch_s: f64| exposed(&whole, &hide(micro_batch_s));
@@ -470,20 +471,23 @@ struct Hiding {
     pp: usize,
     overlap: bool,
     /// `[hardware] overlap_efficiency`: the share of a collective in flight that moves while
-    /// the rank computes.
+    /// the rank computes (the bucketed all-reduce's).
     efficiency: f64,
+    /// `[hardware] fsdp_overlap_efficiency`: the same for FSDP's gathers and reduce-scatters.
+    fsdp_efficiency: f64,
     reshard_after_forward: bool,
 }
 
 impl Hiding {
     /// What stays exposed of `t` seconds of communication in flight over `behind` seconds of
-    /// compute: all but the share that moves while computing, up to the compute's length,
-    /// and `1/units` of it at least (the unit that has nothing to hide behind).
-    fn exposed(&self, t: f64, behind: f64) -> f64 {
+    /// compute: all but the share `efficiency` that moves while computing, up to the
+    /// compute's length, and `1/units` of it at least (the unit that has nothing to hide
+    /// behind).
+    fn exposed(&self, t: f64, behind: f64, efficiency: f64) -> f64 {
         if t <= 0.0 {
             return 0.0;
         }
-        (t - (self.efficiency * t).min(behind)).max(t / self.units)
+        (t - (efficiency * t).min(behind)).max(t / self.units)
     }
 }
 
@@ -496,10 +500,11 @@ impl Hiding {
 ///   reduce-scatters, each left in flight over the next unit's backward, share the link and
 ///   hide behind the backward. What exceeds the compute is exposed, and the first unit's
 ///   gather (the last unit's reduce-scatter) at least. Of the time in flight only
-///   `[hardware] overlap_efficiency` moves while the rank computes (MPI on the host moves a
-///   collective only inside the progress calls between the model's pieces of compute).
+///   `[hardware] fsdp_overlap_efficiency` moves while the rank computes (MPI on the host moves
+///   a collective only inside the progress calls between the model's pieces of compute).
 /// - `dp_rep` (with `overlap`): its all-reduce starts unit by unit in the step's last backward
-///   and hides behind it; the last unit's share is exposed at least.
+///   and hides behind it, at `[hardware] overlap_efficiency`; the last unit's share is exposed
+///   at least.
 /// - `pp`: every send is posted before the next action computes; what stays on the pipeline's
 ///   critical path is one transfer per stage boundary as it fills and one as it drains,
 ///   `2(pp − 1)` messages (the receives are the same transfers).
@@ -512,7 +517,7 @@ fn exposed(whole: &BTreeMap<(String, String), Collective>, h: &Hiding) -> BTreeM
     for ((group, kind), c) in whole {
         *out.entry(group.clone()).or_default() += match (group.as_str(), kind.as_str()) {
             ("fsdp" | "expert_fsdp", "all_gather" | "reduce_scatter") if h.overlap => 0.0,
-            ("dp_rep", "all_reduce") if h.overlap => h.exposed(c.seconds, h.backward_s),
+            ("dp_rep", "all_reduce") if h.overlap => h.exposed(c.seconds, h.backward_s, h.efficiency),
             ("pp", "send") => c.seconds.min(2.0 * (h.pp - 1) as f64 * c.seconds / c.calls),
             ("pp", "recv") => 0.0,
             _ => c.seconds,
@@ -527,7 +532,7 @@ fn exposed(whole: &BTreeMap<(String, String), Collective>, h: &Hiding) -> BTreeM
             let forward = if h.reshard_after_forward { gather / 2.0 } else { gather };
             let backward = gather - forward + scatter;
             *out.entry(group.to_string()).or_default() +=
-                h.grad_accum * (h.exposed(forward, h.forward_s) + h.exposed(backward, h.backward_s));
+                h.grad_accum * (h.exposed(forward, h.forward_s, h.fsdp_efficiency) + h.exposed(backward, h.backward_s, h.fsdp_efficiency));
         }
     }
     out
@@ -627,6 +632,7 @@ mod tests {
             pp: 4,
             overlap: true,
             efficiency,
+            fsdp_efficiency: efficiency,
             reshard_after_forward: true,
         }
     }
@@ -651,6 +657,10 @@ mod tests {
         assert!((small["fsdp"] - 2.0 * 2.0 * 0.05 / 10.0).abs() < 1e-12, "{small:?}");
         let blocking = exposed(&w, &Hiding { overlap: false, ..hiding(1.0) });
         assert!((blocking["fsdp"] - 8.0).abs() < 1e-12, "{blocking:?}");
+        // FSDP hides at its own share; the bucketed all-reduce at the other.
+        let w = whole(&[("fsdp", "all_gather", 6.0, 36.0), ("fsdp", "reduce_scatter", 2.0, 18.0), ("dp_rep", "all_reduce", 1.0, 4.0)]);
+        let apart = exposed(&w, &Hiding { fsdp_efficiency: 0.5, ..hiding(1.0) });
+        assert!((apart["fsdp"] - half["fsdp"]).abs() < 1e-12 && (apart["dp_rep"] - 0.1).abs() < 1e-12, "{apart:?}");
     }
 
     /// The pipeline pays one message per stage boundary as it fills and drains, not every
