@@ -273,6 +273,9 @@ pub struct MemoryStats {
     pub grad_scratch_bytes: usize,
     /// Activations held between forward and backward.
     pub activation_bytes: usize,
+    /// The checkpoint snapshot's buffers (`[checkpoint] async`; 0 before the first
+    /// checkpoint), outside the model state.
+    pub snapshot_bytes: usize,
 }
 
 impl MemoryStats {
@@ -331,6 +334,7 @@ impl TimingLog {
                 "attention_pairs",
                 "device_bytes",
                 "device_peak_bytes",
+                "snapshot_bytes",
             ]
             .map(String::from),
         );
@@ -358,6 +362,7 @@ impl TimingLog {
         let (device_now, device_peak) = r.device_memory.unwrap_or_default();
         row.push(device_now.to_string());
         row.push(device_peak.to_string());
+        row.push(mem.snapshot_bytes.to_string());
         writeln!(self.out, "{}", row.join(","))?;
         self.out.flush()
     }
@@ -426,18 +431,36 @@ pub struct CheckpointIo<'a> {
     pub peak_rss_bytes: u64,
     /// Model state (parameters + AdamW moments) one rank holds.
     pub state_bytes_per_rank: u64,
+    /// Collective HDF5 calls made for it, on the rank with the most.
+    pub collective_hdf5_calls: u64,
+    /// A write's costs to training (`None` for a load).
+    pub writing: Option<WriteTimes>,
+}
+
+/// What a checkpoint write cost the training thread, each the largest of any rank.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WriteTimes {
+    /// Seconds training waited for it: the copy into the snapshot, agreeing at its step, and
+    /// any wait for it at a later checkpoint, a stop or the end of the run.
+    pub stall_s: f64,
+    /// The copy of the shards into the snapshot, seconds.
+    pub snapshot_s: f64,
+    /// At its step, the wait for the write before it, still in flight, seconds.
+    pub waited_s: f64,
+    pub snapshot_bytes: u64,
 }
 
 impl CheckpointIoLog {
     pub fn create(path: &Path, resumed_at: u64) -> std::io::Result<Self> {
-        let header = "step,event,file,bytes,seconds,mb_per_s,collective,rss_before_bytes,peak_rss_bytes,state_bytes_per_rank";
+        let header = "step,event,file,bytes,seconds,mb_per_s,collective,rss_before_bytes,peak_rss_bytes,state_bytes_per_rank,\
+                      stall_s,snapshot_s,waited_s,snapshot_bytes,collective_hdf5_calls";
         Ok(CheckpointIoLog { out: open_log(path, header, resumed_at)? })
     }
 
     pub fn append(&mut self, r: &CheckpointIo<'_>) -> std::io::Result<()> {
         writeln!(
             self.out,
-            "{},{},{},{},{:.6e},{:.3},{},{},{},{}",
+            "{},{},{},{},{:.6e},{:.3},{},{},{},{},{},{}",
             r.step,
             r.event,
             r.file.display(),
@@ -447,7 +470,10 @@ impl CheckpointIoLog {
             r.collective,
             r.rss_before_bytes,
             r.peak_rss_bytes,
-            r.state_bytes_per_rank
+            r.state_bytes_per_rank,
+            r.writing
+                .map_or(",,,".to_string(), |w| format!("{:.6e},{:.6e},{:.6e},{}", w.stall_s, w.snapshot_s, w.waited_s, w.snapshot_bytes)),
+            r.collective_hdf5_calls
         )?;
         self.out.flush()
     }

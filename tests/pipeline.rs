@@ -185,7 +185,7 @@ fn nonfinite_policy_and_preemption_hold_under_a_pipeline() {
         .unwrap();
     let start = std::time::Instant::now();
     while steps_done(&out) < 3 {
-        assert!(start.elapsed().as_secs() < 60, "the run never logged 3 steps");
+        assert!(start.elapsed().as_secs() < 300, "the run never logged 3 steps in 300 s");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     term_ranks(child.id(), 2);

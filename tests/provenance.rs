@@ -202,7 +202,7 @@ fn a_run_is_running_then_preempted() {
     let start = Instant::now();
     while steps_done(&out) < 2 {
         assert!(child.try_wait().unwrap().is_none(), "the run ended before its second step");
-        assert!(start.elapsed() < Duration::from_secs(120), "the run never logged 2 steps");
+        assert!(start.elapsed() < Duration::from_secs(300), "the run never logged 2 steps in 300 s");
         std::thread::sleep(Duration::from_millis(20));
     }
     let (j, raw) = read(&out);

@@ -6,11 +6,12 @@
 # draws its plots with), shellcheck (the tests lint every job script with it), qemu-user
 # (tests/portability.rs runs the build on emulated older CPUs) and python3-venv (CI installs
 # ReFrame and the CUDA compilers into virtual environments), iproute2, procps and util-linux
-# (ip, tc, sysctl, nsenter: the emulated cluster of cluster-local.sh). Rust (>= 1.85, with rustfmt and
+# (ip, tc, sysctl, nsenter: the emulated cluster of cluster-local.sh) and stress-ng (the suite
+# run beside a full load: test-under-load.sh). Rust (>= 1.85, with rustfmt and
 # clippy) must already be installed.
 set -euo pipefail
 
-PACKAGES="${PACKAGES:-openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools python3-h5py fonts-dejavu-core shellcheck qemu-user python3-venv iproute2 procps util-linux libclang-dev pkg-config build-essential}"
+PACKAGES="${PACKAGES:-openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools python3-h5py fonts-dejavu-core shellcheck qemu-user python3-venv iproute2 procps util-linux stress-ng libclang-dev pkg-config build-essential}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 

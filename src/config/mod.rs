@@ -521,13 +521,17 @@ impl EvalCfg {
 }
 
 /// `[checkpoint]`: where and how often checkpoints are written, and what to start from.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointCfg {
     /// Empty means `<out_dir>/ckpt`.
     pub dir: String,
     /// Write a checkpoint every this many optimiser steps (0 = never).
     pub every: u64,
+    /// Write beside training from a snapshot of the state (`async` in the deck); false waits
+    /// for each write at its step.
+    #[serde(rename = "async")]
+    pub asynchronous: bool,
     /// Checkpoints to keep (0 = all).
     pub keep: usize,
     /// `""` (start fresh), `"auto"` (newest valid) or a checkpoint path.
@@ -537,6 +541,20 @@ pub struct CheckpointCfg {
     /// A folder to write the final model to as Hugging Face `config.json` + `model.safetensors`
     /// (empty = none).
     pub export_hf: String,
+}
+
+impl Default for CheckpointCfg {
+    fn default() -> Self {
+        CheckpointCfg {
+            dir: String::new(),
+            every: 0,
+            asynchronous: true,
+            keep: 0,
+            resume: String::new(),
+            init_from: String::new(),
+            export_hf: String::new(),
+        }
+    }
 }
 
 /// `[log]`: how often rank 0 prints a line.

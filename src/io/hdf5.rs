@@ -8,7 +8,8 @@
 //!   disk) converted to `u32`, and write a 1-D `u16`/`u32` token dataset (for `ndtrain data
 //!   prepare`), all with serial (non-MPI) file access, which works from any rank;
 //! * checkpoint files ([`H5File`]): created or opened by every rank of a communicator with the
-//!   MPI-IO driver (parallel HDF5), or by one process alone for the `ckpt` tools; 2-D/1-D `f32`
+//!   MPI-IO driver (parallel HDF5), or by one process alone (the checkpoint writer's layout of
+//!   a file, the `ckpt` tools); 2-D/1-D `f32`
 //!   datasets read and written by rectangular block (hyperslab) with a **collective** transfer
 //!   (the crate's own `write_slice` is independent I/O, so the block transfer calls
 //!   `hdf5-sys`), scalar and string attributes. A block is an `ndarray` view whose shape is
@@ -21,6 +22,16 @@ use crate::parallel::comm::RawComm;
 use ndarray::{ArrayView, ArrayViewMut, Dimension, IxDyn};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Calls on parallel files (every one collective: every rank of the file's communicator
+/// makes it) since the process started.
+static COLLECTIVE_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// How many collective HDF5 calls this process has made (on files opened with MPI-IO).
+pub fn collective_calls() -> u64 {
+    COLLECTIVE_CALLS.load(Ordering::Relaxed)
+}
 
 /// An HDF5 failure, one line naming the file, the dataset and what was being done.
 #[derive(Debug, Clone, PartialEq)]
@@ -241,6 +252,7 @@ pub enum IoMode {
 impl H5File {
     /// Creates (truncating) `path` collectively on every rank of `comm`.
     pub fn create_parallel(path: &Path, comm: RawComm) -> Result<H5File, Hdf5Error> {
+        COLLECTIVE_CALLS.fetch_add(1, Ordering::Relaxed);
         let file = hdf5::File::with_options()
             .with_fapl(|p| p.mpio(comm, None))
             .create(path)
@@ -250,6 +262,7 @@ impl H5File {
 
     /// Opens `path` read-only collectively on every rank of `comm`.
     pub fn open_parallel(path: &Path, comm: RawComm) -> Result<H5File, Hdf5Error> {
+        COLLECTIVE_CALLS.fetch_add(1, Ordering::Relaxed);
         let file = hdf5::File::with_options()
             .with_fapl(|p| p.mpio(comm, None))
             .open(path)
@@ -263,22 +276,47 @@ impl H5File {
         Ok(H5File { file, path: path.to_path_buf(), parallel: false })
     }
 
+    /// Creates (truncating) `path` in this process alone.
+    pub fn create_serial(path: &Path) -> Result<H5File, Hdf5Error> {
+        let file = hdf5::File::create(path).map_err(|e| Hdf5Error(format!("cannot create HDF5 file {}: {e}", path.display())))?;
+        Ok(H5File { file, path: path.to_path_buf(), parallel: false })
+    }
+
+    /// Opens `path` for reading and writing in this process alone.
+    pub fn open_serial_rw(path: &Path) -> Result<H5File, Hdf5Error> {
+        let file =
+            hdf5::File::open_rw(path).map_err(|e| Hdf5Error(format!("cannot open HDF5 file {} for writing: {e}", path.display())))?;
+        Ok(H5File { file, path: path.to_path_buf(), parallel: false })
+    }
+
+    /// Counts one call on a parallel file.
+    fn collective(&self) {
+        if self.parallel {
+            COLLECTIVE_CALLS.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     fn at(&self, name: &str) -> String {
         format!("{}:/{}", self.path.display(), name.trim_start_matches('/'))
     }
 
     /// Creates group `name` (its parent must exist).
     pub fn create_group(&self, name: &str) -> Result<(), Hdf5Error> {
+        self.collective();
         self.file.create_group(name).map(|_| ()).map_err(|e| Hdf5Error(format!("{}: cannot create group: {e}", self.at(name))))
     }
 
-    /// Creates a contiguous `f32` dataset of `shape` that is never pre-filled (every element is
-    /// written by some rank; a fill would write the file twice).
+    /// Creates a contiguous `f32` dataset of `shape` whose space in the file is allocated now
+    /// (so that [`H5Dataset::file_offset`] is known before any data is written) and never
+    /// pre-filled (every element is written by some rank; a fill would write the file twice).
     pub fn create_f32(&self, name: &str, shape: &[usize]) -> Result<H5Dataset, Hdf5Error> {
+        self.collective();
         let ds = self
             .file
             .new_dataset::<f32>()
             .shape(shape)
+            .no_chunk()
+            .alloc_time(Some(hdf5::dataset::AllocTime::Early))
             .fill_time(hdf5::dataset::FillTime::Never)
             .create(name)
             .map_err(|e| Hdf5Error(format!("{}: cannot create dataset of shape {shape:?}: {e}", self.at(name))))?;
@@ -300,10 +338,12 @@ impl H5File {
     }
 
     pub fn set_attr_u64(&self, key: &str, value: u64) -> Result<(), Hdf5Error> {
+        self.collective();
         set_attr_u64(&self.file, key, value).map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at(""))))
     }
 
     pub fn set_attr_str(&self, key: &str, value: &str) -> Result<(), Hdf5Error> {
+        self.collective();
         let v: hdf5::types::VarLenUnicode =
             value.parse().map_err(|e| Hdf5Error(format!("{}: attribute {key}: not storable text: {e}", self.at(""))))?;
         self.file
@@ -335,6 +375,7 @@ impl H5File {
     /// Flushes every buffer to the file system (`MPI_File_sync` under MPI-IO) and closes the
     /// file; collective on a parallel file.
     pub fn close(self) -> Result<(), Hdf5Error> {
+        self.collective();
         let at = self.at("");
         self.file.flush().map_err(|e| Hdf5Error(format!("{at}: flushing: {e}")))?;
         self.file.close().map_err(|e| Hdf5Error(format!("{at}: closing: {e}")))
@@ -363,6 +404,9 @@ impl H5Dataset {
     }
 
     pub fn set_attr_u64(&self, key: &str, value: u64) -> Result<(), Hdf5Error> {
+        if self.parallel {
+            COLLECTIVE_CALLS.fetch_add(1, Ordering::Relaxed);
+        }
         set_attr_u64(&self.ds, key, value).map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at)))
     }
 
@@ -370,7 +414,8 @@ impl H5Dataset {
         attr_u64(&self.ds, key).map_err(|e| Hdf5Error(format!("{}: attribute {key}: {e}", self.at)))
     }
 
-    /// Byte offset of the dataset's contiguous data in the file (tests corrupt it there).
+    /// Byte offset of the dataset's contiguous data in the file: the checkpoint writer writes
+    /// each rank's blocks there, and tests corrupt it there.
     pub fn file_offset(&self) -> Option<u64> {
         self.ds.offset()
     }
@@ -443,6 +488,9 @@ impl H5Dataset {
         use hdf5_sys::h5i::hid_t;
         use hdf5_sys::h5p::{H5FD_mpio_xfer_t, H5Pclose, H5Pcreate, H5Pset_dxpl_mpio, H5P_CLS_DATASET_XFER};
         use hdf5_sys::h5s::{H5S_seloper_t, H5Sclose, H5Screate_simple, H5Sselect_hyperslab, H5Sselect_none};
+        if self.parallel {
+            COLLECTIVE_CALLS.fetch_add(1, Ordering::Relaxed);
+        }
         let n: usize = count.iter().product();
         let what = if write { "writing" } else { "reading" };
         let fail = |step: &str| Hdf5Error(format!("{}: {what} block start {start:?} count {count:?}: {step} failed", self.at));

@@ -11,13 +11,18 @@ pub const STEP_DELAY_ENV: &str = "NDTRAIN_DEBUG_STEP_DELAY_MS";
 
 /// The step delay asked for, if any (unparsable values are an error, not silently ignored).
 pub fn step_delay() -> Result<Option<Duration>, String> {
-    match std::env::var(STEP_DELAY_ENV) {
+    millis(STEP_DELAY_ENV)
+}
+
+/// Environment variable `var` as whole milliseconds, if set.
+fn millis(var: &str) -> Result<Option<Duration>, String> {
+    match std::env::var(var) {
         Err(_) => Ok(None),
         Ok(v) => v
             .trim()
             .parse::<u64>()
             .map(|ms| Some(Duration::from_millis(ms)))
-            .map_err(|_| format!("{STEP_DELAY_ENV}={v:?}: expected a whole number of milliseconds")),
+            .map_err(|_| format!("{var}={v:?}: expected a whole number of milliseconds")),
     }
 }
 
@@ -62,8 +67,8 @@ fn parse_gpus(spec: &str, node_rank: usize) -> Result<Vec<crate::backend::GpuInf
         .collect()
 }
 
-/// When writing the checkpoint of this step, world rank 0 aborts the job (`MPI_Abort`) after
-/// the parameters are written and before the optimiser moments: a crash in the middle of a
+/// When writing the checkpoint of this step, world rank 0 aborts the job (`MPI_Abort`) once
+/// the file is laid out and the writers have started on its data: a crash in the middle of a
 /// checkpoint, which must leave the previous one intact.
 pub const ABORT_DURING_CHECKPOINT_ENV: &str = "NDTRAIN_DEBUG_ABORT_DURING_CHECKPOINT";
 
@@ -107,6 +112,15 @@ pub const NAN_GRAD_ENV: &str = "NDTRAIN_DEBUG_NAN_GRAD";
 /// Rank `rank` fails its part of writing the checkpoint of step `step` (as a full disk
 /// would): the write is abandoned on every rank and the previous checkpoint stays intact.
 pub const CHECKPOINT_WRITE_ERROR_ENV: &str = "NDTRAIN_DEBUG_CHECKPOINT_WRITE_ERROR";
+
+/// Every rank's checkpoint writer sleeps this many milliseconds before each tensor it writes:
+/// a slow file system, so that a kill lands while a write is in flight.
+pub const CHECKPOINT_WRITE_DELAY_ENV: &str = "NDTRAIN_DEBUG_CHECKPOINT_WRITE_DELAY_MS";
+
+/// The writer's delay per tensor, if `CHECKPOINT_WRITE_DELAY_ENV` is set.
+pub fn checkpoint_write_delay() -> Result<Option<Duration>, String> {
+    millis(CHECKPOINT_WRITE_DELAY_ENV)
+}
 
 /// The fault described by environment variable `var`, if it is set.
 pub fn fault(var: &str) -> Result<Option<Fault>, String> {
@@ -158,6 +172,7 @@ pub struct Faults {
     pub nan_grad: Option<Fault>,
     pub device_error: Option<Fault>,
     pub checkpoint_write_error: Option<Fault>,
+    pub checkpoint_write_delay: Option<Duration>,
 }
 
 impl Faults {
@@ -170,6 +185,7 @@ impl Faults {
             nan_grad: fault(NAN_GRAD_ENV)?,
             device_error: fault(DEVICE_ERROR_ENV)?,
             checkpoint_write_error: fault(CHECKPOINT_WRITE_ERROR_ENV)?,
+            checkpoint_write_delay: checkpoint_write_delay()?,
         })
     }
 

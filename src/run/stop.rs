@@ -69,9 +69,15 @@ impl StopPolicy {
         }
     }
 
-    /// Records a checkpoint that took `secs`.
-    pub fn checkpointed(&mut self, secs: f64) {
+    /// Records `secs` the training thread spent on checkpoints at this boundary (not part of
+    /// the step's pace).
+    pub fn stalled(&mut self, secs: f64) {
         self.ckpt_since_boundary_s += secs;
+    }
+
+    /// Records a checkpoint write that took `secs` from its snapshot to its file in place: what
+    /// a stop must leave time for, since it waits for its checkpoint to be in place.
+    pub fn checkpoint_took(&mut self, secs: f64) {
         self.last_ckpt_s = Some(secs);
     }
 

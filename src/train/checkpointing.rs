@@ -7,8 +7,8 @@ use super::state::ModelState;
 use crate::backend::Backend;
 use crate::config::{ModelCfg, Resolved};
 use crate::io::checkpoint::blocks::ShardBlock;
-use crate::io::checkpoint::{self as ckpt, DataState, LoadError, Meta, WriteControl, WriterLayout};
-use crate::metrics::{peak_rss_bytes, rss_bytes, CheckpointIo, CheckpointIoLog};
+use crate::io::checkpoint::{self as ckpt, DataState, InFlight, LoadError, Meta, Snapshot, WriteControl, WriterLayout, Written};
+use crate::metrics::{peak_rss_bytes, rss_bytes, CheckpointIo, CheckpointIoLog, WriteTimes};
 use crate::model::params::param_specs;
 use crate::parallel::mesh::Mesh;
 use crate::run::faults::{self, Faults};
@@ -16,6 +16,7 @@ use crate::run::watchdog::beat;
 use crate::run::{AgreedFailure, Error};
 use crate::say;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Fills `state` from the first usable checkpoint of `candidates`, or else from `init_from`
@@ -145,6 +146,8 @@ fn log_load(
     let total = mesh.world.min_max_sum_f64(bytes as f64).2 as u64;
     let before = mesh.world.min_max_sum_f64(rss_before as f64).1 as u64;
     let peak = mesh.world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;
+    // Every collective HDF5 call so far was the load's (and any candidate's it skipped).
+    let calls = mesh.world.min_max_sum_f64(crate::io::hdf5::collective_calls() as f64).1 as u64;
     say!(
         "loaded {:.1} MiB in {:.2} s; per rank: model state {:.1} MiB, resident {:.1} MiB before and peak {:.1} MiB after loading",
         total as f64 / 1048576.0,
@@ -164,22 +167,25 @@ fn log_load(
             rss_before_bytes: before,
             peak_rss_bytes: peak,
             state_bytes_per_rank: state_bytes as u64,
+            collective_hdf5_calls: calls,
+            writing: None,
         })?;
     }
     Ok(())
 }
 
-/// Writes the checkpoint after `step` optimiser steps into `dir` and records it in
-/// `checkpoint_io.csv`. A failure on any rank is agreed on every rank and ends the run; the
-/// previous checkpoint and `latest` are untouched.
-pub(super) fn save<B: Backend<f32> + Clone>(
+/// Starts the checkpoint after `step` optimiser steps into `dir`: every rank copies its shards
+/// into `snapshot` and a writer thread writes them (`io::checkpoint::write`). A failure on any
+/// rank is agreed on every rank and ends the run; the previous checkpoint and `latest` are
+/// untouched.
+pub(super) fn begin<B: Backend<f32> + Clone>(
     state: &ModelState<'_, B>,
     res: &Resolved,
     mesh: &Mesh,
     (dir, step): (&Path, u64),
-    log: &mut Option<CheckpointIoLog>,
+    snapshot: Snapshot,
     faults: &Faults,
-) -> Result<(), Error> {
+) -> Result<InFlight, Error> {
     let deck = &res.deck;
     let l = res.layout;
     let data = DataState::after(step, res.global_batch, deck);
@@ -204,45 +210,79 @@ pub(super) fn save<B: Backend<f32> + Clone>(
         ndtrain_version: env!("CARGO_PKG_VERSION").to_string(),
         router_bias: state.router_bias.clone(),
     };
-    let rss_before = mesh.world.min_max_sum_f64(rss_bytes() as f64).1 as u64;
     let rank = mesh.world.rank();
     let control = WriteControl {
-        progress: &|what: &str| beat(|| what.to_string()),
+        progress: Arc::new(|what: &str| beat(|| what.to_string())),
         abort: faults::abort_during_checkpoint().map(|s| (faults::ABORT_DURING_CHECKPOINT_ENV, s)),
         fail: faults::fires(&faults.checkpoint_write_error, rank, step)
             .then(|| format!("rank {rank}: injected write error ({})", faults::CHECKPOINT_WRITE_ERROR_ENV)),
+        delay: faults.checkpoint_write_delay,
     };
-    let report = state.with_host_state(|blocks, slots| {
+    let in_flight = state.with_host_state(|blocks, slots| {
         let (all, own) = every_tensor(&deck.model, blocks);
         let [p, m, v] = slots.map(|kind| own.iter().map(|i| i.map_or(&[][..], |i| kind[i])).collect::<Vec<_>>());
-        ckpt::save(dir, deck.checkpoint.keep, &meta, &all, [&p, &m, &v], &mesh.world, control)
+        ckpt::write::begin(dir, deck.checkpoint.keep, meta, all, [&p, &m, &v], snapshot, &mesh.world, control)
     });
-    // Every failure of `save` is agreed on every rank; the run ends (the documented policy: the
-    // previous checkpoint and `latest` are untouched, `resume = "auto"` continues from them).
-    let report = report.map_err(|e| AgreedFailure {
-        message: (rank == 0).then(|| format!("{e}; the run stops here (checkpoint write failures end the run)")),
-    })?;
-    let seconds = mesh.world.min_max_sum_f64(report.seconds).1;
-    let peak = mesh.world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;
+    in_flight.map_err(|e| write_failed(mesh, e))
+}
+
+/// A failed write, agreed on every rank: the run ends (the documented policy: the previous
+/// checkpoint and `latest` are untouched, `resume = "auto"` continues from them).
+pub(super) fn write_failed(mesh: &Mesh, e: String) -> Error {
+    let first = mesh.world.rank() == 0;
+    AgreedFailure { message: first.then(|| format!("{e}; the run stops here (checkpoint write failures end the run)")) }.into()
+}
+
+/// What the training thread spent on one checkpoint before it finished: the copy into the
+/// snapshot, and all of it (the copy, agreeing at its step and at the boundaries after).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Stall {
+    pub snapshot_s: f64,
+    pub stall_s: f64,
+}
+
+/// Records the finished write `w` of the checkpoint after `step` in `checkpoint_io.csv` and on
+/// the console: its bytes, its whole time, and what it stalled training (`stall`, and the wait
+/// for it to finish, at the next checkpoint, a stop or the end of the run: `w.waited_s`).
+pub(super) fn record<B: Backend<f32> + Clone>(
+    w: &Written,
+    stall: Stall,
+    state: &ModelState<'_, B>,
+    mesh: &Mesh,
+    log: &mut Option<CheckpointIoLog>,
+) -> Result<(), Error> {
+    let world = &mesh.world;
+    let r = &w.report;
+    let seconds = world.min_max_sum_f64(r.seconds).1;
+    let stall_s = world.min_max_sum_f64(stall.stall_s + w.waited_s).1;
+    let snapshot_s = world.min_max_sum_f64(stall.snapshot_s).1;
+    let waited_s = world.min_max_sum_f64(w.waited_s).1;
+    let calls = world.min_max_sum_f64(r.collective_hdf5_calls as f64).1 as u64;
+    let rss = world.min_max_sum_f64(rss_bytes() as f64).1 as u64;
+    let peak = world.min_max_sum_f64(peak_rss_bytes() as f64).1 as u64;
+    let snapshot_bytes = world.min_max_sum_f64(w.snapshot.bytes() as f64).1 as u64;
     say!(
-        "checkpoint {}: {:.1} MiB in {:.2} s ({:.0} MB/s{})",
-        report.path.display(),
-        report.bytes as f64 / 1048576.0,
+        "checkpoint {}: {:.1} MiB in {:.2} s ({:.0} MB/s), training stalled {:.3} s (snapshot {:.3} s)",
+        r.path.display(),
+        r.bytes as f64 / 1048576.0,
         seconds,
-        report.bytes as f64 / 1e6 / seconds.max(1e-9),
-        if report.collective { ", collective MPI-IO" } else { ", independent I/O" }
+        r.bytes as f64 / 1e6 / seconds.max(1e-9),
+        stall_s,
+        snapshot_s,
     );
     if let Some(l) = log.as_mut() {
         l.append(&CheckpointIo {
             event: "write",
-            step,
-            file: &report.path,
-            bytes: report.bytes,
+            step: w.step,
+            file: &r.path,
+            bytes: r.bytes,
             seconds,
-            collective: report.collective,
-            rss_before_bytes: rss_before,
+            collective: false,
+            rss_before_bytes: rss,
             peak_rss_bytes: peak,
             state_bytes_per_rank: 3 * state.shard_bytes() as u64,
+            collective_hdf5_calls: calls,
+            writing: Some(WriteTimes { stall_s, snapshot_s, waited_s, snapshot_bytes }),
         })?;
     }
     Ok(())

@@ -25,6 +25,7 @@ use crate::parallel::mesh::Mesh;
 use crate::run::stop::{Stop, StopPolicy};
 use crate::run::watchdog::{beat, Watchdog};
 use crate::say;
+use checkpointing::Stall;
 use state::{ModelState, Start};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -89,8 +90,13 @@ pub fn train<B: Backend<f32> + Clone>(
         let mut out = run.trainer.step(step)?;
         run.stepped(s1, &out, start);
         let stop = run.stop_requested(s1, &mut out.phases);
+        run.advance_checkpoint(&mut out.phases)?;
         if run.checkpoint_due(s1) {
             run.checkpoint(s1, &mut out.phases)?;
+        }
+        if stop.is_some() {
+            // The exit code says a checkpoint is in place: it must be, before the exit.
+            run.drain_checkpoint(Some(&mut out.phases))?;
         }
         // No held-out loss on the way out: the stop may be short of time.
         let val_loss = if stop.is_none() { run.evaluate_if_due(s1, &mut out.phases)? } else { None };
@@ -100,19 +106,24 @@ pub fn train<B: Backend<f32> + Clone>(
             break;
         }
     }
-    // The summary across ranks, the invariants, the export.
+    // The write of the last checkpoint; the summary across ranks, the invariants, the export.
+    run.drain_checkpoint(None)?;
     run.finish()
 }
 
 /// The longest a run stays silent on the console, in seconds.
 const CONSOLE_EVERY_S: f64 = 300.0;
 
-/// The checkpoints of a run: where they go, their record (`checkpoint_io.csv`, rank 0), and
-/// those written so far (step and file).
+/// The checkpoints of a run: where they go, their record (`checkpoint_io.csv`, rank 0), those
+/// written so far (step and file), the one being written and what it stalled training at its
+/// step, and the snapshot buffers between writes.
 struct Checkpoints {
     dir: PathBuf,
     log: Option<CheckpointIoLog>,
     written: Vec<(u64, PathBuf)>,
+    in_flight: Option<(ckpt::InFlight, Stall)>,
+    snapshot: ckpt::Snapshot,
+    snapshot_bytes: u64,
 }
 
 /// The run's logs: `metrics.csv` (rank 0), this rank's timing log, the time spent writing the
@@ -227,7 +238,14 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             steps,
             stop: StopPolicy::new(&deck.run, first_step),
             preempted: false,
-            ckpt: Checkpoints { dir: ckpt_dir, log: ckpt_log, written: vec![] },
+            ckpt: Checkpoints {
+                dir: ckpt_dir,
+                log: ckpt_log,
+                written: vec![],
+                in_flight: None,
+                snapshot: ckpt::Snapshot::default(),
+                snapshot_bytes: 0,
+            },
             logs: Logs { metrics, expert_load, timing, last_log_s: 0.0, last_line: Instant::now() },
             history: History { losses: Vec::with_capacity(steps as usize), ..Default::default() },
             pace: Pace { start: Instant::now(), first_step_end_s: None },
@@ -274,15 +292,67 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
         self.preempted || (every > 0 && (s1 % every == 0 || s1 == self.steps))
     }
 
+    /// The checkpoint after step `s1`: the write before it, if still in flight, is waited for
+    /// (at most one is in flight); then the snapshot, and with `[checkpoint] async = false`
+    /// the write itself.
     fn checkpoint(&mut self, s1: u64, pt: &mut PhaseTimes) -> Result<(), Error> {
         beat(|| format!("step {s1}: writing a checkpoint"));
         let t = Instant::now();
+        self.drain_checkpoint(None)?;
+        let own = Instant::now();
         let c = &mut self.ckpt;
-        checkpointing::save(&self.trainer.state, self.res, self.mesh, (&c.dir, s1), &mut c.log, &self.trainer.faults)?;
+        let snapshot = std::mem::take(&mut c.snapshot);
+        let in_flight = checkpointing::begin(&self.trainer.state, self.res, self.mesh, (&c.dir, s1), snapshot, &self.trainer.faults)?;
+        c.snapshot_bytes = in_flight.snapshot_bytes;
+        let stall = Stall { snapshot_s: in_flight.snapshot_s, stall_s: own.elapsed().as_secs_f64() };
+        c.in_flight = Some((in_flight, stall));
+        if !self.res.deck.checkpoint.asynchronous {
+            self.drain_checkpoint(None)?;
+        }
         let secs = t.elapsed().as_secs_f64();
         pt[Phase::Checkpoint] += secs;
-        self.stop.checkpointed(secs);
-        c.written.push((s1, c.dir.join(ckpt::file_name(s1))));
+        self.stop.stalled(secs);
+        Ok(())
+    }
+
+    /// Moves the checkpoint in flight on at this step boundary (every rank together), and
+    /// records it once it is in place.
+    fn advance_checkpoint(&mut self, pt: &mut PhaseTimes) -> Result<(), Error> {
+        let Some((w, _)) = self.ckpt.in_flight.as_mut() else { return Ok(()) };
+        let t = Instant::now();
+        let done = w.poll(&self.mesh.world).map_err(|e| checkpointing::write_failed(self.mesh, e))?;
+        let secs = t.elapsed().as_secs_f64();
+        pt[Phase::Checkpoint] += secs;
+        self.stop.stalled(secs);
+        if let Some(done) = done {
+            let (_, stall) = self.ckpt.in_flight.take().expect("in flight");
+            self.recorded(done, Stall { stall_s: stall.stall_s + secs, ..stall })?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the checkpoint in flight, if any, and records it; returns the seconds waited
+    /// (counted in `pt` when given).
+    fn drain_checkpoint(&mut self, pt: Option<&mut PhaseTimes>) -> Result<f64, Error> {
+        let Some((w, stall)) = self.ckpt.in_flight.take() else { return Ok(0.0) };
+        let t = Instant::now();
+        let done = w.finish(&self.mesh.world).map_err(|e| checkpointing::write_failed(self.mesh, e))?;
+        let secs = t.elapsed().as_secs_f64();
+        if let Some(pt) = pt {
+            pt[Phase::Checkpoint] += secs;
+            self.stop.stalled(secs);
+        }
+        self.recorded(done, stall)?;
+        Ok(secs)
+    }
+
+    /// A write in place: its record, its file among those written, its buffers kept.
+    fn recorded(&mut self, done: ckpt::Written, stall: Stall) -> Result<(), Error> {
+        let c = &mut self.ckpt;
+        checkpointing::record(&done, stall, &self.trainer.state, self.mesh, &mut c.log)?;
+        self.stop.checkpoint_took(done.report.seconds);
+        c.written.push((done.step, done.report.path.clone()));
+        c.snapshot = done.snapshot;
         Ok(())
     }
 
@@ -373,6 +443,7 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
             gathered_peak_bytes: state.params.gathered_peak_bytes,
             grad_scratch_bytes: state.grads.scratch_bytes(),
             activation_bytes: self.trainer.activation_bytes(),
+            snapshot_bytes: self.ckpt.snapshot_bytes as usize,
         };
         let attention_pairs = self.trainer.take_attention_pairs();
         let device_memory = self.trainer.backend().device_memory();

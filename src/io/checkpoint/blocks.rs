@@ -104,6 +104,19 @@ pub fn block_checksum(path: &str, block: &ShardBlock, data: &[f32]) -> u64 {
         .reduce(|| 0, u64::wrapping_add)
 }
 
+/// [`block_checksum`] on the calling thread alone: the checkpoint writer's thread runs beside
+/// training and leaves the shared thread pool to it.
+pub fn block_checksum_serial(path: &str, block: &ShardBlock, data: &[f32]) -> u64 {
+    let s = salt(path);
+    let cols = if block.count.len() == 1 { 1 } else { block.count[1] };
+    if block.is_empty() {
+        return 0;
+    }
+    data[..block.len()].chunks(cols).enumerate().fold(0u64, |h, (r, row)| {
+        row.iter().enumerate().fold(h, |h, (c, x)| h.wrapping_add(element_hash(s, block.global_index(r, c), x.to_bits())))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,22 +1,25 @@
 //! Sharded checkpoints: one parallel-HDF5 file per checkpoint (`<dir>/step_<8 digits>.h5`).
 //!
 //! Every parameter and both AdamW moments are stored as their logical (Hugging Face) tensors;
-//! each rank writes only the block it owns ([`blocks::shard_blocks`]) in one collective
-//! transfer per tensor, replicas write nothing, and a layout-independent checksum per tensor
-//! is summed over the ranks without gathering any data. A file is written under a temporary
-//! name and renamed only after every rank has written, flushed and closed it, then `latest` is
-//! updated and checkpoints beyond `keep` are deleted, so a crash at any moment leaves the
-//! previous checkpoint intact. Loading reads the blocks the loading layout owns, so any layout
-//! resumes any checkpoint of the same model and no rank ever holds the whole model.
+//! each rank writes only the block it owns ([`blocks::shard_blocks`]), replicas write nothing,
+//! and a layout-independent checksum per tensor is summed over the ranks without gathering any
+//! data. [`write`] writes a file beside training, from a snapshot of the shards, with no
+//! collective HDF5 call: rank 0 lays the file out, every rank writes its blocks at their
+//! place in it. A file is written under a temporary name and renamed only after every rank
+//! has written and synced its part, then `latest` is updated and checkpoints beyond `keep` are
+//! deleted, so a crash at any moment leaves the previous checkpoint intact. Loading reads the
+//! blocks the loading layout owns (one collective parallel-HDF5 transfer per tensor), so any
+//! layout resumes any checkpoint of the same model and no rank ever holds the whole model.
 //!
 //! See `docs/checkpoint_format.md` for the file layout and every attribute. Knows nothing of
 //! training: the loop hands it blocks of `f32` and a [`Meta`].
 
 pub mod blocks;
 pub mod tools;
+pub mod write;
 
 use crate::config::{Deck, ModelCfg};
-use crate::io::hdf5::{H5File, IoMode};
+use crate::io::hdf5::H5File;
 use crate::parallel::comm::Group;
 use crate::say;
 use blocks::{block_checksum, ShardBlock};
@@ -24,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+pub use write::{InFlight, Snapshot, WriteControl, Written};
 
 /// Bumped whenever a reader of the previous version could misread a new file.
 pub const FORMAT_VERSION: u64 = 1;
@@ -162,26 +166,17 @@ pub struct SaveReport {
     pub path: PathBuf,
     /// Logical bytes of every tensor in the file.
     pub bytes: u64,
+    /// From the copy into the snapshot to the file in place, seconds.
     pub seconds: f64,
-    /// Every rank's every transfer was collective MPI-IO.
-    pub collective: bool,
+    /// Collective HDF5 calls this rank made for it (none: `write`).
+    pub collective_hdf5_calls: u64,
 }
 
-/// What a checkpoint write is told from outside: whom to report progress to, and the debug
-/// faults a test injects (`docs/debugging.md`).
-pub struct WriteControl<'a> {
-    /// Called before each tensor is written (the watchdog's beat), with what is being written.
-    pub progress: &'a dyn Fn(&str),
-    /// Abort the whole job in the middle of this write: `(the debug option, its value)`.
-    pub abort: Option<(&'a str, u64)>,
-    /// This rank's write fails with this message.
-    pub fail: Option<String>,
-}
-
-/// Writes the checkpoint of `meta.step` into `dir` on every rank of `world`. `state[k][i]` is
-/// this rank's shard of kind `KINDS[k]` for block `blocks[i]`. Keeps the newest `keep`
-/// checkpoints (0 = all). Returns an error on every rank if any rank failed; the previous
-/// checkpoint is then untouched and the temporary file removed.
+/// Writes the checkpoint of `meta.step` into `dir` on every rank of `world` and waits until it
+/// is in place (`write`, every stage at once). `state[k][i]` is this rank's shard of kind
+/// `KINDS[k]` for block `blocks[i]`. Keeps the newest `keep` checkpoints (0 = all). Returns an
+/// error on every rank if any rank failed; the previous checkpoint is then untouched and the
+/// temporary file removed.
 pub fn save(
     dir: &Path,
     keep: usize,
@@ -189,81 +184,10 @@ pub fn save(
     blocks: &[ShardBlock],
     state: [&[&[f32]]; 3],
     world: &Group,
-    control: WriteControl<'_>,
+    control: WriteControl,
 ) -> Result<SaveReport, String> {
-    let start = Instant::now();
-    let rank0 = world.rank() == 0;
-    let name = file_name(meta.step);
-    let final_path = dir.join(&name);
-    let tmp = dir.join(format!("{name}.tmp"));
-    world.agree(if rank0 { std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display())) } else { Ok(()) })?;
-
-    // Each tensor's checksum: the primary blocks' parts, summed over the world.
-    let n = blocks.len();
-    let mut sums = vec![0u64; 3 * n];
-    for (k, kind) in KINDS.iter().enumerate() {
-        for (i, b) in blocks.iter().enumerate() {
-            if b.primary {
-                sums[k * n + i] = block_checksum(&format!("{kind}/{}", b.name), b, state[k][i]);
-            }
-        }
-    }
-    world.all_reduce_wrapping_sum_u64(&mut sums);
-
-    let file = world.agree(H5File::create_parallel(&tmp, world.raw()).map_err(|e| e.to_string()))?;
-    // From here every rank makes the same collective calls whatever fails locally, and the
-    // outcome is agreed at the end (a rank that returned early would leave the others waiting).
-    let mut first_err: Option<String> = None;
-    let mut note = |r: Result<(), String>| {
-        if let (Err(e), None) = (r, &first_err) {
-            first_err = Some(e);
-        }
-    };
-    for g in ["model", "optim", "optim/exp_avg", "optim/exp_avg_sq"] {
-        note(file.create_group(g).map_err(|e| e.to_string()));
-    }
-    if let Some(e) = control.fail {
-        note(Err(e));
-    }
-    let mut collective = true;
-    let mut bytes = 0u64;
-    for (k, kind) in KINDS.iter().enumerate() {
-        for (i, b) in blocks.iter().enumerate() {
-            if let Some((option, step)) = control.abort.filter(|&(_, s)| s == meta.step && k == 1 && i == 0 && rank0) {
-                say!("{option}={step}: aborting the job in the middle of writing {}", tmp.display());
-                crate::parallel::comm::abort(crate::exit::RUN_FAILED);
-            }
-            bytes += 4 * b.global_shape.iter().product::<usize>() as u64;
-            (control.progress)(&format!("writing checkpoint step {}: {kind}/{}", meta.step, b.name));
-            let path = format!("{kind}/{}", b.name);
-            match file.create_f32(&path, &b.global_shape) {
-                Ok(ds) => {
-                    note(ds.set_attr_u64("checksum", sums[k * n + i]).map_err(|e| e.to_string()));
-                    let (count, data) =
-                        if b.primary { (b.count.clone(), &state[k][i][..b.len()]) } else { (vec![0; b.count.len()], &[][..]) };
-                    match ds.write_block(&b.start, &count, data) {
-                        Ok(mode) => collective &= mode == IoMode::Collective,
-                        Err(e) => note(Err(e.to_string())),
-                    }
-                }
-                Err(e) => note(Err(e.to_string())),
-            }
-        }
-    }
-    note(write_meta(&file, meta));
-    note(file.close().map_err(|e| e.to_string()));
-    let mut all_collective = [(!collective) as u64];
-    world.agree_max_u64(&mut all_collective);
-    let written = world.agree(first_err.map_or(Ok(()), Err));
-    if let Err(e) = written {
-        if rank0 {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        return Err(format!("writing checkpoint {}: {e} (the previous checkpoint is untouched)", final_path.display()));
-    }
-    // Complete on every rank: publish it, then point `latest` at it, then prune.
-    world.agree(if rank0 { publish(dir, &tmp, &final_path, keep, meta.step) } else { Ok(()) })?;
-    Ok(SaveReport { path: final_path, bytes, seconds: start.elapsed().as_secs_f64(), collective: all_collective[0] == 0 })
+    let w = write::begin(dir, keep, meta.clone(), blocks.to_vec(), state, Snapshot::default(), world, control)?;
+    Ok(w.finish(world)?.report)
 }
 
 /// Renames the finished file into place, makes the rename durable, updates `latest` (itself

@@ -52,6 +52,10 @@ pub struct RankPlan {
     /// the largest unit's shard (one dp_rep all-reduce: the whole unit without fsdp).
     pub unit_bytes: usize,
     pub shard_bytes: usize,
+    /// The checkpoint snapshot in host memory: a copy of the parameter and AdamW-moment shards
+    /// this rank writes (`io::checkpoint::write`), held from the first checkpoint on, outside
+    /// the device's peak.
+    pub snapshot_bytes: usize,
     /// The pipeline's idle fraction of a step under the deck's schedule (0 without one).
     pub bubble: f64,
     /// Micro-batches whose activations the first stage holds at once (each of its chunks').
@@ -163,6 +167,7 @@ fn stage_plan(res: &Resolved, stage: usize) -> (RankPlan, Vec<Chunk>) {
         flops_per_rank: flops_per_step / l.world_size() as f64,
         unit_bytes: 4 * shards.max_gathered_len(),
         shard_bytes: 4 * shards.units.iter().map(|u| u.shard_len).max().unwrap_or(0),
+        snapshot_bytes: state.params + state.optim,
         bubble: if l.pp > 1 { bubble_fraction(schedule_of(res), l.pp, chunks.len(), res.grad_accum) } else { 0.0 },
         in_flight,
         stages: vec![],

@@ -103,6 +103,7 @@ fn memory_table(s: &mut String, p: &RankPlan, res: &Resolved, place: &str) {
         let _ = writeln!(s, "  {name:<32} {:>12}", mib(b));
     }
     let _ = writeln!(s, "  {:<32} {:>12}", "peak (predicted)", mib(p.peak_bytes()));
+    let _ = writeln!(s, "  {:<32} {:>12}", "checkpoint snapshot (host)", mib(p.snapshot_bytes));
     let _ = writeln!(
         s,
         "  activations + logits + backward by activation_checkpointing: none {} MiB, selective {} MiB, full {} MiB (deck: {})",

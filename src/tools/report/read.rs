@@ -1,6 +1,6 @@
 //! Reading a run directory as `ndtrain train` leaves it: `deck.toml` (the resolved shape of the
 //! run, from the `# Resolved by ...` comment that opens it, and `train.seq_len`), `metrics.csv`,
-//! and one `timing/rank_<5 digits>.csv` per rank, each checked as it is read (a malformed row
+//! one `timing/rank_<5 digits>.csv` per rank and `checkpoint_io.csv`, each checked as it is read (a malformed row
 //! names its file, line and column). Also the run names the tables and file names use.
 //!
 //! Owns the file formats only: columns are found by name in each header, so logs with more
@@ -162,6 +162,8 @@ pub(super) struct RunLog {
     pub(super) timing: Vec<CsvTable>,
     /// A mixture of experts' `expert_load.csv`, where the run wrote one.
     pub(super) expert_load: Option<CsvTable>,
+    /// `checkpoint_io.csv`, where the run wrote one.
+    pub(super) checkpoint_io: Option<CsvTable>,
 }
 
 impl RunLog {
@@ -185,7 +187,9 @@ impl RunLog {
         let timing = read_timing_logs(&timing_dir, deck.ranks)?;
         let load_path = dir.join("expert_load.csv");
         let expert_load = load_path.exists().then(|| CsvTable::read(&load_path)).transpose()?;
-        Ok(RunLog { dir: dir.to_path_buf(), deck, metrics, timing, expert_load })
+        let io_path = dir.join("checkpoint_io.csv");
+        let checkpoint_io = io_path.exists().then(|| CsvTable::read(&io_path)).transpose()?;
+        Ok(RunLog { dir: dir.to_path_buf(), deck, metrics, timing, expert_load, checkpoint_io })
     }
 }
 

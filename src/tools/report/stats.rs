@@ -95,6 +95,43 @@ pub(super) struct RunStats {
     pub(super) loss_curve: Vec<(f64, f64)>,
     /// `(step, held-out loss)` of the steps `[eval]` evaluated after.
     pub(super) val_curve: Vec<(f64, f64)>,
+    /// Every checkpoint written, from `checkpoint_io.csv`.
+    pub(super) checkpoints: Vec<CheckpointWrite>,
+}
+
+/// One checkpoint write of `checkpoint_io.csv`: each time the largest of any rank.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct CheckpointWrite {
+    pub(super) step: u64,
+    pub(super) bytes: f64,
+    /// From the snapshot to the file in place.
+    pub(super) write_s: f64,
+    /// What training waited for it, of which the copy into the snapshot and the wait for it to
+    /// finish (NaN in a log of a run before these were recorded).
+    pub(super) stall_s: f64,
+    pub(super) snapshot_s: f64,
+    pub(super) waited_s: f64,
+}
+
+/// The writes of a `checkpoint_io.csv` (its loads left out).
+pub(super) fn checkpoint_writes(t: &CsvTable) -> Result<Vec<CheckpointWrite>, String> {
+    let event = t.index_of("event").ok_or_else(|| format!("{}: no column 'event' in the header", t.path.display()))?;
+    let writes: Vec<bool> = t.rows().map(|(_, f)| f[event] == "write").collect();
+    let (steps, bytes, write_s) = (t.column("step")?, t.column("bytes")?, t.column("seconds")?);
+    let sparse =
+        |name: &str| -> Result<Vec<f64>, String> { Ok(t.sparse_column(name)?.into_iter().map(|x| x.unwrap_or(f64::NAN)).collect()) };
+    let (stall_s, snapshot_s, waited_s) = (sparse("stall_s")?, sparse("snapshot_s")?, sparse("waited_s")?);
+    Ok((0..writes.len())
+        .filter(|&i| writes[i])
+        .map(|i| CheckpointWrite {
+            step: steps[i] as u64,
+            bytes: bytes[i],
+            write_s: write_s[i],
+            stall_s: stall_s[i],
+            snapshot_s: snapshot_s[i],
+            waited_s: waited_s[i],
+        })
+        .collect())
 }
 
 impl RunStats {
@@ -127,6 +164,7 @@ impl RunStats {
             timing,
             loss_curve: steps.iter().zip(&losses).map(|(&s, &l)| (s as f64, l)).collect(),
             val_curve: steps.iter().zip(&val_losses).filter_map(|(&s, l)| Some((s as f64, (*l)?))).collect(),
+            checkpoints: log.checkpoint_io.as_ref().map(checkpoint_writes).transpose()?.unwrap_or_default(),
         })
     }
 

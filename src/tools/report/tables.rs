@@ -43,6 +43,7 @@ pub(super) fn summary_markdown(runs: &[RunStats], scaling: Option<&Scaling>) -> 
     md += &phases_markdown(runs);
     md += &comm_markdown(runs);
     md += &pipeline_markdown(runs);
+    md += &checkpoints_markdown(runs);
     if let Some(s) = scaling {
         md += &scaling_markdown(s);
     }
@@ -149,6 +150,39 @@ fn pipeline_markdown(runs: &[RunStats]) -> String {
                 b.ranks.to_string(),
                 fmt_num(b.wait_s),
                 format!("{:.1}%", 100.0 * b.fraction),
+            ]);
+        }
+    }
+    md + "\n"
+}
+
+/// Every checkpoint each run wrote: its size, its whole write and what it stalled training
+/// (nothing when no run wrote one).
+fn checkpoints_markdown(runs: &[RunStats]) -> String {
+    if runs.iter().all(|r| r.checkpoints.is_empty()) {
+        return String::new();
+    }
+    let mut md = String::from(
+        "## Checkpoints
+
+",
+    );
+    md += "From `checkpoint_io.csv`, each time the largest of any rank: the write from the snapshot to the file in place ";
+    md += "(beside training with `[checkpoint] async`), and what training waited for it: the copy into the snapshot, ";
+    md += "agreeing at step boundaries, and the wait for it to finish at the next checkpoint, a stop or the end of the run.
+
+";
+    md += &md_header(&["run", "step", "MiB", "write (s)", "stall (s)", "snapshot (s)", "waited (s)"]);
+    for r in runs {
+        for c in &r.checkpoints {
+            md += &md_row(&[
+                r.name.clone(),
+                c.step.to_string(),
+                fmt_num(c.bytes / 1048576.0),
+                fmt_num(c.write_s),
+                fmt_num(c.stall_s),
+                fmt_num(c.snapshot_s),
+                fmt_num(c.waited_s),
             ]);
         }
     }
