@@ -29,6 +29,7 @@ fn schema() -> Vec<String> {
         "attention_pairs",
         "device_bytes",
         "device_peak_bytes",
+        "snapshot_bytes",
     ] {
         cols.push(c.into());
     }
@@ -78,9 +79,14 @@ fn every_rank_logs_every_phase_and_group_and_the_phases_add_up() {
                 assert_eq!(r[col(&format!("{c}_bytes"))], 0.0, "{f}: {c} has degree 1");
             }
             assert!(r[col("peak_rss_bytes")] > r[col("rss_start_bytes")] && r[col("activation_bytes")] > 0.0);
-            // Checkpoints after steps 3 and 6 only.
+            // Checkpoints after steps 3 and 6; the boundaries after step 3 may move its write on
+            // (an asynchronous write), the ones before any checkpoint cost nothing.
             let ckpt = r[col("checkpoint_s")];
-            assert_eq!(ckpt > 0.0, (i + 1) % 3 == 0, "{f} step {}: checkpoint_s {ckpt}", i + 1);
+            match i + 1 {
+                3 | 6 => assert!(ckpt > 0.0, "{f} step {}: checkpoint_s {ckpt}", i + 1),
+                1 | 2 => assert_eq!(ckpt, 0.0, "{f} step {}", i + 1),
+                _ => assert!(ckpt >= 0.0, "{f} step {}: checkpoint_s {ckpt}", i + 1),
+            }
         }
     }
 }
