@@ -48,20 +48,16 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// Copies the first `blocks[i].len()` elements of `state[k][i]` (`state` as
-    /// [`super::save`] takes it) of every block this rank writes (its primary ones); returns
-    /// the bytes copied.
-    pub fn fill(&mut self, blocks: &[ShardBlock], state: [&[&[f32]]; 3]) -> u64 {
-        let mut bytes = 0;
+    /// [`super::save`] takes it) of every block this rank writes (its primary ones).
+    pub fn fill(&mut self, blocks: &[ShardBlock], state: [&[&[f32]]; 3]) {
         for (k, kind) in self.kinds.iter_mut().enumerate() {
             kind.resize_with(blocks.len(), Vec::new);
             for (i, b) in blocks.iter().enumerate() {
                 let src = if b.primary && !b.is_empty() { &state[k][i][..b.len()] } else { &[][..] };
                 kind[i].clear();
                 kind[i].extend_from_slice(src);
-                bytes += 4 * src.len() as u64;
             }
         }
-        bytes
     }
 
     /// The memory the snapshot holds.
@@ -139,7 +135,7 @@ pub struct Written {
     pub step: u64,
     pub report: SaveReport,
     pub snapshot: Snapshot,
-    pub snapshot_s: f64,
+    /// What the training thread waited for it to finish, seconds.
     pub waited_s: f64,
 }
 
@@ -288,7 +284,7 @@ impl InFlight {
                         seconds: self.started.elapsed().as_secs_f64(),
                         collective_hdf5_calls: collective_calls() - self.calls_before,
                     };
-                    return Ok(Some(Written { step: self.step, report, snapshot, snapshot_s: self.snapshot_s, waited_s: self.waited_s }));
+                    return Ok(Some(Written { step: self.step, report, snapshot, waited_s: self.waited_s }));
                 }
             }
         }
