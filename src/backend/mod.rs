@@ -130,6 +130,18 @@ pub trait Backend<T: Real> {
     fn upload(&self, dst: &mut Self::Buf, host: &[T]);
     /// `host = src`; the lengths agree.
     fn download(&self, src: &Self::Buf, host: &mut [T]);
+    /// `host = src[from]`: part of a buffer copied into host memory (a checkpoint's snapshot of
+    /// one tensor's block, straight into its page-locked buffer on a device).
+    fn download_range(&self, src: &Self::Buf, from: Range<usize>, host: &mut [T]) {
+        match self.host(src) {
+            Some(all) => host.copy_from_slice(&all[from]),
+            None => {
+                let mut all = vec![T::ZERO; self.len(src)];
+                self.download(src, &mut all);
+                host.copy_from_slice(&all[from]);
+            }
+        }
+    }
     /// `dst = src`; the lengths agree.
     fn copy(&self, dst: &mut Self::Buf, src: &Self::Buf);
     fn fill(&self, dst: &mut Self::Buf, x: T);

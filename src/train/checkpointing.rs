@@ -218,11 +218,8 @@ pub(super) fn begin<B: Backend<f32> + Clone>(
             .then(|| format!("rank {rank}: injected write error ({})", faults::CHECKPOINT_WRITE_ERROR_ENV)),
         delay: faults.checkpoint_write_delay,
     };
-    let in_flight = state.with_host_state(|blocks, slots| {
-        let (all, own) = every_tensor(&deck.model, blocks);
-        let [p, m, v] = slots.map(|kind| own.iter().map(|i| i.map_or(&[][..], |i| kind[i])).collect::<Vec<_>>());
-        ckpt::write::begin(dir, deck.checkpoint.keep, meta, all, [&p, &m, &v], snapshot, &mesh.world, control)
-    });
+    let (all, own) = every_tensor(&deck.model, &state.blocks);
+    let in_flight = ckpt::write::begin(dir, deck.checkpoint.keep, meta, all, &state.snapshot_source(&own), snapshot, &mesh.world, control);
     in_flight.map_err(|e| write_failed(mesh, e))
 }
 

@@ -467,6 +467,8 @@ impl<'g, B: Backend<f32> + Clone + 'g> Run<'g, B> {
     /// The end of the run: the summary across ranks, the invariants, the export.
     fn finish(mut self) -> Result<RunSummary, Error> {
         drop(self.watchdog.take());
+        // The snapshot's buffers are unlocked while the device that locked them is still there.
+        self.ckpt.snapshot.release(&self.trainer.state.snapshot_source(&[]));
         let total_s = self.pace.start.elapsed().as_secs_f64();
         let h = &self.history;
         summary::say_phase_table(self.mesh, &h.totals, total_s);

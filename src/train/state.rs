@@ -7,12 +7,40 @@
 use crate::backend::{with_host, with_host_mut, Backend};
 use crate::config::OptimCfg;
 use crate::io::checkpoint::blocks::{shard_blocks, ShardBlock};
+use crate::io::checkpoint::SnapshotSource;
 use crate::model::params::Dims;
 use crate::optim::AdamRule;
 use crate::parallel::collective::MeshCollectives;
 use crate::parallel::fsdp::grads::FsdpGrads;
 use crate::parallel::fsdp::params::FsdpParams;
 use crate::parallel::fsdp::ShardPlan;
+
+/// A rank's parameters and AdamW moments as a checkpoint's snapshot reads them
+/// ([`ModelState::snapshot_source`]).
+pub struct StateSource<'s, B: Backend<f32>> {
+    be: &'s B,
+    /// Per kind (`io::checkpoint::KINDS`), the unit buffers.
+    kinds: [&'s [B::Buf]; 3],
+    /// Per tensor of the file, its unit and where its block starts there.
+    places: Vec<Option<(usize, usize)>>,
+}
+
+impl<B: Backend<f32>> SnapshotSource for StateSource<'_, B> {
+    fn copy(&self, kind: usize, tensor: usize, dst: &mut [f32]) {
+        match self.places[tensor] {
+            Some((unit, start)) => self.be.download_range(&self.kinds[kind][unit], start..start + dst.len(), dst),
+            None => assert!(dst.is_empty(), "tensor {tensor}: a block this rank does not hold"),
+        }
+    }
+
+    fn pin(&self, buf: &mut [f32]) -> bool {
+        self.be.pin_host(buf)
+    }
+
+    fn unpin(&self, buf: &mut [f32]) {
+        self.be.unpin_host(buf)
+    }
+}
 
 /// Where a rank's model state starts from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +144,18 @@ impl<'g, B: Backend<f32> + Clone> ModelState<'g, B> {
             let m = all.split_off(units);
             f(blocks, [plan.slots_mut(all), plan.slots_mut(m), plan.slots_mut(v)])
         })
+    }
+
+    /// What a checkpoint's snapshot copies from: tensor `i` of the file is slot `own[i]` (none:
+    /// a tensor this rank holds no block of), copied straight out of its unit's buffer, so a
+    /// device copies each block once, into the snapshot's page-locked buffer.
+    pub fn snapshot_source<'s>(&'s self, own: &[Option<usize>]) -> StateSource<'s, B> {
+        let ranges: Vec<_> = self.params.plan.slot_ranges().map(|(u, _, range)| (u, range.start)).collect();
+        StateSource {
+            be: &self.be,
+            kinds: [&self.params.shards, &self.exp_avg, &self.exp_avg_sq],
+            places: own.iter().map(|s| s.map(|s| ranges[s])).collect(),
+        }
     }
 
     /// Runs `f` on the slots' blocks and host slices of this rank's parameter and moment

@@ -408,6 +408,19 @@ impl Backend<f32> for GpuBackend {
         }
     }
 
+    /// The copy goes on the stream like every other (`memcpy_dtoh` on a view of the range), so
+    /// it follows the step's kernels; the stream is synchronised before the host reads `host`.
+    fn download_range(&self, src: &DevBuf<f32>, from: Range<usize>, host: &mut [f32]) {
+        assert_eq!(from.len(), host.len(), "download_range: lengths differ");
+        assert!(from.end <= src.len(), "download_range: {from:?} outside a buffer of {}", src.len());
+        if let (Some(s), false) = (src.slice.as_ref(), host.is_empty()) {
+            self.run("copy from the device", || {
+                self.gpu().stream.memcpy_dtoh(&s.slice(from.clone()), host).map_err(|e| format!("{e:?}"))?;
+                self.gpu().synchronize()
+            });
+        }
+    }
+
     fn copy(&self, dst: &mut DevBuf<f32>, src: &DevBuf<f32>) {
         assert_eq!(dst.len(), src.len(), "copy: lengths differ");
         if let (Some(d), Some(s)) = (dst.slice.as_mut(), src.slice.as_ref()) {

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-pub use write::{InFlight, Snapshot, WriteControl, Written};
+pub use write::{HostState, InFlight, Snapshot, SnapshotSource, WriteControl, Written};
 
 /// Bumped whenever a reader of the previous version could misread a new file.
 pub const FORMAT_VERSION: u64 = 1;
@@ -186,7 +186,7 @@ pub fn save(
     world: &Group,
     control: WriteControl,
 ) -> Result<SaveReport, String> {
-    let w = write::begin(dir, keep, meta.clone(), blocks.to_vec(), state, Snapshot::default(), world, control)?;
+    let w = write::begin(dir, keep, meta.clone(), blocks.to_vec(), &HostState(state), Snapshot::default(), world, control)?;
     Ok(w.finish(world)?.report)
 }
 

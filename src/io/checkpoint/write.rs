@@ -40,29 +40,89 @@ use std::time::Instant;
 
 /// A copy of this rank's shards: per kind (`KINDS`), per tensor of the file, its block's
 /// elements. Its buffers are kept from one checkpoint to the next, so that a copy reuses
-/// memory already mapped.
+/// memory already mapped and, on a device, already page-locked: the copy out of device memory
+/// then runs at the bus's speed, and only once are the buffers locked.
 #[derive(Debug, Default)]
 pub struct Snapshot {
     kinds: [Vec<Vec<f32>>; 3],
+    /// Whether each buffer is page-locked (by the source that filled it): it is unlocked
+    /// before it is freed or resized.
+    pinned: [Vec<bool>; 3],
+}
+
+/// Where a snapshot copies this rank's state from, and who page-locks its buffers.
+pub trait SnapshotSource {
+    /// Copies the first `dst.len()` elements of the block of tensor `tensor` (file order) of
+    /// kind `KINDS[kind]` into `dst`.
+    fn copy(&self, kind: usize, tensor: usize, dst: &mut [f32]);
+    /// Page-locks `buf` for copies from a device; false where nothing is locked (the host).
+    fn pin(&self, _buf: &mut [f32]) -> bool {
+        false
+    }
+    /// Unlocks a buffer `pin` locked.
+    fn unpin(&self, _buf: &mut [f32]) {}
+}
+
+/// A state in host memory, as [`super::save`] takes it: `state[k][i]` holds at least the
+/// elements of block `i` of kind `k`.
+pub struct HostState<'a>(pub [&'a [&'a [f32]]; 3]);
+
+impl SnapshotSource for HostState<'_> {
+    fn copy(&self, kind: usize, tensor: usize, dst: &mut [f32]) {
+        dst.copy_from_slice(&self.0[kind][tensor][..dst.len()]);
+    }
 }
 
 impl Snapshot {
-    /// Copies the first `blocks[i].len()` elements of `state[k][i]` (`state` as
-    /// [`super::save`] takes it) of every block this rank writes (its primary ones).
-    pub fn fill(&mut self, blocks: &[ShardBlock], state: [&[&[f32]]; 3]) {
-        for (k, kind) in self.kinds.iter_mut().enumerate() {
-            kind.resize_with(blocks.len(), Vec::new);
+    /// Copies from `source` every block this rank writes (its primary ones; the others stay
+    /// empty). A buffer is allocated, and locked, only where its length changes.
+    pub fn fill(&mut self, blocks: &[ShardBlock], source: &dyn SnapshotSource) {
+        for (kind, (bufs, pinned)) in self.kinds.iter_mut().zip(&mut self.pinned).enumerate() {
+            for (buf, locked) in bufs.iter_mut().zip(pinned.iter_mut()).skip(blocks.len()) {
+                Self::free(buf, locked, source);
+            }
+            bufs.resize_with(blocks.len(), Vec::new);
+            pinned.resize(blocks.len(), false);
             for (i, b) in blocks.iter().enumerate() {
-                let src = if b.primary && !b.is_empty() { &state[k][i][..b.len()] } else { &[][..] };
-                kind[i].clear();
-                kind[i].extend_from_slice(src);
+                let len = if b.primary { b.len() } else { 0 };
+                if bufs[i].len() != len {
+                    Self::free(&mut bufs[i], &mut pinned[i], source);
+                    bufs[i] = vec![0.0; len];
+                    pinned[i] = len > 0 && source.pin(&mut bufs[i]);
+                }
+                source.copy(kind, i, &mut bufs[i]);
             }
         }
+    }
+
+    /// Unlocks and frees every buffer (at the end of a run, while the device that locked them
+    /// is still there).
+    pub fn release(&mut self, source: &dyn SnapshotSource) {
+        for (bufs, pinned) in self.kinds.iter_mut().zip(&mut self.pinned) {
+            for (buf, locked) in bufs.iter_mut().zip(pinned.iter_mut()) {
+                Self::free(buf, locked, source);
+            }
+            bufs.clear();
+            pinned.clear();
+        }
+    }
+
+    fn free(buf: &mut Vec<f32>, locked: &mut bool, source: &dyn SnapshotSource) {
+        if std::mem::take(locked) {
+            source.unpin(buf);
+        }
+        *buf = Vec::new();
     }
 
     /// The memory the snapshot holds.
     pub fn bytes(&self) -> u64 {
         self.kinds.iter().flatten().map(|v| 4 * v.capacity() as u64).sum()
+    }
+
+    /// The part of it that is page-locked.
+    pub fn pinned_bytes(&self) -> u64 {
+        let kinds = self.kinds.iter().flatten().zip(self.pinned.iter().flatten());
+        kinds.filter(|(_, &p)| p).map(|(v, _)| 4 * v.capacity() as u64).sum()
     }
 }
 
@@ -140,15 +200,15 @@ pub struct Written {
 }
 
 /// Starts writing the checkpoint of `meta.step` into `dir` on every rank of `world`
-/// (collective): copies this rank's shards (`blocks`, `state` as [`super::save`] takes them)
-/// into `snapshot` and hands it to a new writer thread. Returns once the copy is made.
+/// (collective): copies this rank's shards (`blocks`, from `source`) into `snapshot` and hands
+/// it to a new writer thread. Returns once the copy is made.
 #[allow(clippy::too_many_arguments)]
 pub fn begin(
     dir: &Path,
     keep: usize,
     meta: Meta,
     blocks: Vec<ShardBlock>,
-    state: [&[&[f32]]; 3],
+    source: &dyn SnapshotSource,
     mut snapshot: Snapshot,
     world: &Group,
     control: WriteControl,
@@ -160,7 +220,7 @@ pub fn begin(
     let (final_path, tmp) = (dir.join(&name), dir.join(format!("{name}.tmp")));
     world.agree(if rank0 { std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display())) } else { Ok(()) })?;
     let copy = Instant::now();
-    snapshot.fill(&blocks, state);
+    snapshot.fill(&blocks, source);
     let (snapshot_s, snapshot_bytes) = (copy.elapsed().as_secs_f64(), snapshot.bytes());
     let bytes = blocks.iter().map(|b| 4 * b.global_shape.iter().product::<usize>() as u64).sum::<u64>() * KINDS.len() as u64;
     // HDF5 initialises itself on its first call, and a parallel build then registers a
@@ -463,6 +523,64 @@ mod tests {
 
     fn block(global: &[usize], start: &[usize], count: &[usize]) -> ShardBlock {
         ShardBlock { name: "t".into(), global_shape: global.to_vec(), start: start.to_vec(), count: count.to_vec(), primary: true }
+    }
+
+    /// A source that counts the locks: every element is its kind × 1000 + its index.
+    #[derive(Default)]
+    struct Counting {
+        pins: std::cell::Cell<usize>,
+        unpins: std::cell::Cell<usize>,
+    }
+
+    impl SnapshotSource for Counting {
+        fn copy(&self, kind: usize, _tensor: usize, dst: &mut [f32]) {
+            for (i, x) in dst.iter_mut().enumerate() {
+                *x = (kind * 1000 + i) as f32;
+            }
+        }
+        fn pin(&self, _buf: &mut [f32]) -> bool {
+            self.pins.set(self.pins.get() + 1);
+            true
+        }
+        fn unpin(&self, _buf: &mut [f32]) {
+            self.unpins.set(self.unpins.get() + 1);
+        }
+    }
+
+    /// A snapshot locks each buffer once and reuses it at the next checkpoint; a block that
+    /// changes length is unlocked before its buffer goes, a block another rank writes gets no
+    /// buffer, and `release` unlocks every one.
+    #[test]
+    fn a_snapshot_locks_its_buffers_once_and_unlocks_each_before_freeing_it() {
+        let mut other = block(&[4, 2], &[0, 0], &[4, 2]);
+        other.primary = false;
+        let blocks = vec![block(&[4, 3], &[0, 0], &[2, 3]), other, block(&[5], &[0], &[5])];
+        let (source, mut snap) = (Counting::default(), Snapshot::default());
+        snap.fill(&blocks, &source);
+        assert_eq!((source.pins.get(), source.unpins.get()), (6, 0));
+        assert_eq!(snap.kinds[2][0], [2000.0, 2001.0, 2002.0, 2003.0, 2004.0, 2005.0]);
+        assert!(snap.kinds[1][1].is_empty());
+        assert_eq!(snap.pinned_bytes(), 3 * 4 * (6 + 5));
+        let first = snap.kinds[0][0].as_ptr();
+        snap.fill(&blocks, &source);
+        assert_eq!((source.pins.get(), source.unpins.get(), snap.kinds[0][0].as_ptr()), (6, 0, first));
+        snap.fill(&blocks[..2], &source);
+        assert_eq!((source.pins.get(), source.unpins.get()), (6, 3));
+        snap.fill(&[block(&[4, 3], &[0, 0], &[4, 3])], &source);
+        assert_eq!((source.pins.get(), source.unpins.get(), snap.kinds[0][0].len()), (9, 6, 12));
+        snap.release(&source);
+        assert_eq!((source.unpins.get(), snap.bytes()), (9, 0));
+    }
+
+    /// The host's source copies each block's first elements out of the state's slices.
+    #[test]
+    fn the_host_state_fills_the_primary_blocks() {
+        let state: [Vec<f32>; 3] = [vec![1.0, 2.0, 3.0, 9.0], vec![4.0, 5.0, 6.0, 9.0], vec![7.0, 8.0, 0.5, 9.0]];
+        let slots: Vec<Vec<&[f32]>> = state.iter().map(|v| vec![&v[..]]).collect();
+        let mut snap = Snapshot::default();
+        snap.fill(&[block(&[6], &[3], &[3])], &HostState([&slots[0], &slots[1], &slots[2]]));
+        assert_eq!(snap.pinned_bytes(), 0);
+        assert_eq!(snap.kinds.map(|k| k[0].clone()), [vec![1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0], vec![7.0, 8.0, 0.5]]);
     }
 
     /// Every element of a block lands where its row-major index in the tensor says, whatever
