@@ -158,19 +158,6 @@ impl<'g, B: Backend<f32> + Clone> ModelState<'g, B> {
         }
     }
 
-    /// Runs `f` on the slots' blocks and host slices of this rank's parameter and moment
-    /// shards, slot by slot.
-    pub fn with_host_state<R>(&self, f: impl FnOnce(&[ShardBlock], [Vec<&[f32]>; 3]) -> R) -> R {
-        let plan = &self.params.plan;
-        let units = plan.units.len();
-        let bufs: Vec<&B::Buf> = self.params.shards.iter().chain(&self.exp_avg).chain(&self.exp_avg_sq).collect();
-        with_host(&self.be, &bufs, |mut all| {
-            let v = all.split_off(2 * units);
-            let m = all.split_off(units);
-            f(&self.blocks, [plan.slots(all), plan.slots(m), plan.slots(v)])
-        })
-    }
-
     /// Clips the gradients by `coef` and takes one AdamW step with learning rate `lr` on every
     /// shard this rank owns.
     pub fn update(&mut self, coef: f64, lr: f64) {

@@ -120,7 +120,8 @@ impl Snapshot {
     }
 
     /// The part of it that is page-locked.
-    pub fn pinned_bytes(&self) -> u64 {
+    #[cfg(test)]
+    fn pinned_bytes(&self) -> u64 {
         let kinds = self.kinds.iter().flatten().zip(self.pinned.iter().flatten());
         kinds.filter(|(_, &p)| p).map(|(v, _)| 4 * v.capacity() as u64).sum()
     }
